@@ -1,0 +1,180 @@
+"""The ``e31`` command: validate, submit and run E31 job files on Prefect.
+
+    e31 run deployments/jobs/retrain.yaml --now   # submit, run it here, print state, outputs, meter
+    e31 submit job.yaml                           # schedule it; a worker runs it later
+    e31 validate job.yaml                         # the normalized job, or its problems
+
+With no ``PREFECT_API_URL`` set, a local Prefect server is started in the background.
+A job that is not valid exits with status 2 and one line per problem.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+from uuid import UUID
+
+from e31_prefect import meter as metering
+from e31_prefect import timing
+from e31_prefect.job import Job, JobError, load_job_file, plan, plan_problems
+
+EXIT_INVALID = 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``e31`` command."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.handler(args)
+    except JobError as exc:
+        print(f"{exc.source or args.file}: the job is not valid", file=sys.stderr)
+        for problem in exc.problems:
+            print(f"  {problem}", file=sys.stderr)
+        return EXIT_INVALID
+    except KeyboardInterrupt:
+        return 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="e31", description="Run E31 GPU jobs on Prefect.")
+    commands = parser.add_subparsers(required=True, metavar="COMMAND")
+
+    validate = commands.add_parser("validate", help="check a job file and print it normalized")
+    validate.add_argument("file", type=Path)
+    validate.add_argument("--now", action="store_true", help="plan as if started now, ignoring start")
+    validate.set_defaults(handler=_validate)
+
+    for name, handler, text in (
+        ("submit", _submit, "schedule a job as a flow run and return at once"),
+        ("run", _run, "submit a job and run it here with an e31 worker until it ends"),
+    ):
+        command = commands.add_parser(name, help=text)
+        command.add_argument("file", type=Path)
+        command.add_argument("--pool", default="e31", help="e31 work pool (default: e31)")
+        command.add_argument("--now", action="store_true", help="ignore the job's start and run now")
+        command.set_defaults(handler=handler)
+    return parser
+
+
+def _load(args: argparse.Namespace) -> tuple[Job, datetime]:
+    job = load_job_file(args.file)
+    now = datetime.now(timezone.utc)
+    problems = plan_problems(job, plan(job, now, start_now=args.now))
+    if problems:
+        raise JobError(problems, str(args.file))
+    return job, now
+
+
+def _validate(args: argparse.Namespace) -> int:
+    job, now = _load(args)
+    the_plan = plan(job, now, start_now=args.now)
+    import yaml
+
+    print(yaml.safe_dump({"name": job.name, **job.to_job_variables()}, sort_keys=False).rstrip())
+    limit = the_plan.time_limit
+    print(f"# time limit:     {timing.format_duration(limit) if limit else 'none (until done)'}")
+    print(f"# earliest start: {the_plan.start.astimezone(job.tz).isoformat(timespec='minutes')}")
+    if the_plan.deadline:
+        print(f"# deadline:       {the_plan.deadline.astimezone(job.tz).isoformat(timespec='minutes')}")
+        assert the_plan.latest_start is not None
+        print(f"# latest start:   {the_plan.latest_start.astimezone(job.tz).isoformat(timespec='minutes')}")
+    return 0
+
+
+def _connect() -> None:
+    """Point Prefect at the configured server, or at a local one started on demand."""
+    import os
+
+    from e31_prefect.local_server import configured_api_url, ensure_local_server
+
+    if not configured_api_url():
+        os.environ["PREFECT_API_URL"] = ensure_local_server()
+        from prefect.context import refresh_global_settings_context
+
+        refresh_global_settings_context()
+
+
+def _submit(args: argparse.Namespace) -> int:
+    job, now = _load(args)
+    _connect()
+    flow_run = asyncio.run(_submit_async(job, args, now))
+    print(f"Submitted flow run {flow_run.name!r} ({flow_run.id}) to pool {args.pool!r}")
+    print(f"  {_ui_link(flow_run.id)}")
+    return 0
+
+
+async def _submit_async(job: Job, args: argparse.Namespace, now: datetime):
+    from prefect import get_client
+
+    from e31_prefect.submission import submit_job
+
+    async with get_client() as client:
+        return await submit_job(client, job, args.file.resolve().parent, args.pool, now, start_now=args.now)
+
+
+def _ui_link(flow_run_id: UUID) -> str:
+    from prefect.utilities.urls import url_for
+
+    return url_for("flow-run", obj_id=flow_run_id) or f"flow run {flow_run_id}"
+
+
+def _run(args: argparse.Namespace) -> int:
+    job, now = _load(args)
+    _connect()
+    return asyncio.run(_run_async(job, args, now))
+
+
+async def _run_async(job: Job, args: argparse.Namespace, now: datetime) -> int:
+    from e31_prefect.worker import E31Worker
+
+    flow_run = await _submit_async(job, args, now)
+    print(f"Submitted flow run {flow_run.name!r} ({flow_run.id}): {_ui_link(flow_run.id)}")
+    if flow_run.expected_start_time and flow_run.expected_start_time > datetime.now(timezone.utc):
+        print(f"Waiting for its start at {flow_run.expected_start_time.isoformat(timespec='minutes')} "
+              "(use --now to start at once)")
+    async with E31Worker(work_pool_name=args.pool, only_flow_run_ids={flow_run.id}) as worker:
+        await worker.sync_with_backend()
+        while True:
+            await worker.get_and_submit_flow_runs()
+            current = await worker.client.read_flow_run(flow_run.id)
+            if current.state and current.state.is_final() and not worker.busy:
+                break
+            await asyncio.sleep(0.5)
+        final = await worker.client.read_flow_run(flow_run.id)
+        meter = worker.meters.get(flow_run.id)
+        outputs = await _outputs_link(worker.client, flow_run.id)
+    state = final.state
+    assert state is not None
+    print(f"\n{final.name}: {state.name}" + (f": {state.message}" if state.message else ""))
+    if outputs:
+        print(f"Outputs: {outputs}")
+    if meter:
+        _print_meter(meter)
+    return 0 if state.is_completed() else 1
+
+
+async def _outputs_link(client, flow_run_id: UUID) -> str | None:
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    artifacts = await client.read_artifacts(
+        artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
+    for artifact in artifacts:
+        if artifact.key and artifact.key.startswith("e31-outputs") and isinstance(artifact.data, str):
+            return artifact.data.split("](", 1)[0].lstrip("[")
+    return None
+
+
+def _print_meter(meter: metering.Meter) -> None:
+    print("Meter:")
+    for row in metering.table(meter):
+        at = str(row["at"])[11:23] if row["at"] else ""
+        print(f"  {row['step']:<13} {at:<12} {float(row['seconds']):>10.3f} s  {row['meaning']}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

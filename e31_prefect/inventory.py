@@ -1,0 +1,150 @@
+"""The GPUs on this host and which flow run rents each one.
+
+``E31_GPUS="0:H100,1:H100" prefect worker start --pool gpu --type e31`` declares
+an inventory; without it the worker asks NVML, and finds none where NVML does
+not answer. Renting is all-or-nothing and per flow run, so returning a run's
+devices twice is harmless.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from uuid import UUID
+
+_REPEAT = re.compile(r"^(\d+)\s*[xX]\s*(\S.*)$")
+
+
+@dataclass(frozen=True, order=True)
+class Device:
+    """One GPU: its index on the host (as NVML and CUDA_VISIBLE_DEVICES count) and its model name."""
+
+    index: int
+    name: str
+    uuid: str | None = None
+
+
+class InventoryError(ValueError):
+    """A declared inventory that cannot be read."""
+
+
+def parse_declared(text: str) -> list[Device]:
+    """Read ``"0:H100,1:H100"``, ``"4xH100"`` or ``"2xA100,2xH100"`` into devices.
+
+    Repeated groups take the next free indices; an empty text declares none.
+    """
+    devices: list[Device] = []
+    for token in (t.strip() for t in text.split(",")):
+        if not token:
+            continue
+        if (repeat := _REPEAT.match(token)) is not None:
+            start = max((d.index for d in devices), default=-1) + 1
+            devices += [Device(start + i, repeat.group(2).strip()) for i in range(int(repeat.group(1)))]
+        elif ":" in token and token.split(":", 1)[0].strip().isdigit():
+            index, name = token.split(":", 1)
+            devices.append(Device(int(index), name.strip() or "GPU"))
+        else:
+            raise InventoryError(
+                f"E31_GPUS: {token!r} is not a device; write INDEX:TYPE (0:H100) or COUNTxTYPE (4xH100)"
+            )
+    indices = [d.index for d in devices]
+    if len(set(indices)) != len(indices):
+        raise InventoryError(f"E31_GPUS: {text!r} declares a device index twice")
+    return sorted(devices)
+
+
+def discover_nvml() -> list[Device]:
+    """The GPUs NVML reports on this host; none where the NVIDIA driver is absent."""
+    try:
+        import pynvml
+    except ImportError:
+        return []
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        return []
+    try:
+        devices = []
+        for index in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            devices.append(Device(index, _text(pynvml.nvmlDeviceGetName(handle)),
+                                  _text(pynvml.nvmlDeviceGetUUID(handle))))
+        return devices
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def discover(declared: str | None) -> list[Device]:
+    """A declared inventory wins (an operator's word, and what tests use); else NVML; else none."""
+    if declared is not None and declared.strip():
+        return parse_declared(declared)
+    return discover_nvml()
+
+
+def matches(device: Device, gpu_type: str | None) -> bool:
+    """Whether a device is of the requested type: ``H100`` matches ``NVIDIA H100 80GB HBM3``."""
+    return gpu_type is None or gpu_type.lower() in device.name.lower()
+
+
+def pick_devices(free: Sequence[Device], gpus: int, gpu_type: str | None) -> list[Device] | None:
+    """The lowest-indexed ``gpus`` free devices of the right type, or None if they do not fit."""
+    fitting = [d for d in sorted(free) if matches(d, gpu_type)]
+    return fitting[:gpus] if len(fitting) >= gpus else None
+
+
+class Inventory:
+    """This host's devices and the flow run renting each; safe to share between threads."""
+
+    def __init__(self, devices: Iterable[Device]):
+        self.devices: list[Device] = sorted(devices)
+        self._holder: dict[Device, UUID] = {}
+        self._lock = threading.Lock()
+
+    def free(self) -> list[Device]:
+        """Devices no run holds now."""
+        with self._lock:
+            return [d for d in self.devices if d not in self._holder]
+
+    def hold(self, flow_run_id: UUID, devices: Sequence[Device]) -> bool:
+        """Hold exactly these devices for the run if all are free; otherwise hold nothing."""
+        with self._lock:
+            if any(self._holder.get(d, flow_run_id) != flow_run_id for d in devices):
+                return False
+            if any(d not in self.devices for d in devices):
+                return False
+            for device in devices:
+                self._holder[device] = flow_run_id
+            return True
+
+    def give_back(self, flow_run_id: UUID) -> list[Device]:
+        """Return every device the run holds to the pool; returns what was freed."""
+        with self._lock:
+            freed = self._held(flow_run_id)
+            for device in freed:
+                del self._holder[device]
+            return freed
+
+    def held_by(self, flow_run_id: UUID) -> list[Device]:
+        """The devices the run holds now."""
+        with self._lock:
+            return self._held(flow_run_id)
+
+    def _held(self, flow_run_id: UUID) -> list[Device]:
+        return sorted(d for d, holder in self._holder.items() if holder == flow_run_id)
+
+
+def visible_devices_env(devices: Sequence[Device]) -> dict[str, str]:
+    """The variables that show a run exactly its rented devices and no others."""
+    indices = ",".join(str(d.index) for d in devices)
+    return {
+        # NVML and CUDA must count devices the same way for the indices to mean the same GPUs.
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+        "CUDA_VISIBLE_DEVICES": indices,
+        "NVIDIA_VISIBLE_DEVICES": indices or "none",
+    }

@@ -1,0 +1,117 @@
+"""The meter of one job: a timestamp per step, and what the team pays for.
+
+Teams pay for rent and run only: ``billed_seconds = run_ended - rented`` and
+``billed_gpu_seconds = gpus * billed_seconds``. Queueing, staging and output
+upload are recorded but never billed. Pure: no clock, no client.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+
+STEPS = ("submitted", "picked", "staged", "rented", "running", "run_ended", "output", "released")
+STEP_MEANING = {
+    "submitted": "scheduled start of the flow run",
+    "picked": "an e31 worker took the run",
+    "staged": "inputs copied into the workspace",
+    "rented": "devices held: the meter starts",
+    "running": "the work started",
+    "run_ended": "the work ended and the devices went back: the meter stops",
+    "output": "outputs sent to their destination",
+    "released": "workspace cleaned, meter closed",
+}
+
+
+@dataclass
+class Meter:
+    """Step timestamps of one flow run and the figures derived from them."""
+
+    gpus: int = 0
+    team: str | None = None
+    devices: list[int] = field(default_factory=list)
+    marks: dict[str, datetime] = field(default_factory=dict)
+
+    def mark(self, step: str, at: datetime) -> None:
+        """Record when a step happened (the first time only: a step happens once)."""
+        if step not in STEPS:
+            raise ValueError(f"unknown meter step {step!r}")
+        self.marks.setdefault(step, at)
+
+    def between(self, first: str, last: str) -> float:
+        """Seconds from one step to another; 0 when either did not happen."""
+        if first not in self.marks or last not in self.marks:
+            return 0.0
+        return max(0.0, (self.marks[last] - self.marks[first]).total_seconds())
+
+    @property
+    def billed_seconds(self) -> float:
+        """Rent and run: from the devices being held to the work ending."""
+        return self.between("rented", "run_ended")
+
+    @property
+    def billed_gpu_seconds(self) -> float:
+        """Billed seconds times the GPUs held."""
+        return self.gpus * self.billed_seconds
+
+    @property
+    def run_seconds(self) -> float:
+        """How long the work itself ran."""
+        return self.between("running", "run_ended")
+
+    @property
+    def queue_seconds(self) -> float:
+        """From the scheduled start until a worker took the run (not billed)."""
+        return self.between("submitted", "picked")
+
+    @property
+    def staging_seconds(self) -> float:
+        """Copying inputs in (not billed)."""
+        return self.between("picked", "staged")
+
+    @property
+    def output_seconds(self) -> float:
+        """Sending outputs back (not billed)."""
+        return self.between("run_ended", "output")
+
+
+def tags(meter: Meter, outcome: str | None = None) -> list[str]:
+    """The flow run's tags that carry the meter, e.g. ``e31:gpus=2``, ``e31:billed-s=3725``."""
+    result = [
+        "e31",
+        f"e31:gpus={meter.gpus}",
+        f"e31:billed-s={round(meter.billed_seconds)}",
+        f"e31:run-s={round(meter.run_seconds)}",
+    ]
+    if meter.team:
+        result.append(f"e31:team={meter.team}")
+    if outcome:
+        result.append(f"e31:{outcome}")
+    return result
+
+
+def table(meter: Meter) -> list[dict[str, object]]:
+    """Artifact rows: each step with its time, the seconds since the previous step, and the bill."""
+    rows: list[dict[str, object]] = []
+    previous: datetime | None = None
+    for step in STEPS:
+        at = meter.marks.get(step)
+        if at is None:
+            continue
+        rows.append({
+            "step": step,
+            "at": at.isoformat(),
+            "seconds": round((at - previous).total_seconds(), 3) if previous else 0.0,
+            "billed": step in ("running", "run_ended"),
+            "meaning": STEP_MEANING[step],
+        })
+        previous = at
+    rows.append({
+        "step": "total billed",
+        "at": "",
+        "seconds": round(meter.billed_seconds, 3),
+        "billed": True,
+        "meaning": f"{meter.gpus} GPU(s) x {meter.billed_seconds:.3f} s = "
+        f"{meter.billed_gpu_seconds:.3f} GPU-seconds",
+    })
+    return rows

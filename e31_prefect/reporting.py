@@ -1,0 +1,104 @@
+"""What a job's life tells Prefect: an event per step, named final states, and the closed meter.
+
+Events are ``e31.job.<step>`` about the flow run (related: deployment, flow,
+work pool, devices), each following the last, so the event feed and
+automations see every job. At release the flow run gets its meter as tags, a
+table artifact and a link artifact to its outputs.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+from collections.abc import Sequence
+from typing import Any
+
+from prefect.client.orchestration import PrefectClient
+from prefect.client.schemas.actions import ArtifactCreate
+from prefect.client.schemas.objects import FlowRun
+from prefect.events import Event, RelatedResource, emit_event
+from prefect.states import Failed, State
+
+from e31_prefect import meter as metering
+from e31_prefect.inventory import Device
+
+# Failed states the worker sets itself, by name, so automations and `e31 usage` can count them.
+DEADLINE_MISSED = "DeadlineMissed"
+TIMED_OUT = "TimedOut"
+INVALID_JOB = "InvalidJob"
+STAGING_FAILED = "StagingFailed"
+OUTPUT_MISSING = "OutputMissing"
+OUTPUT_NOT_SENT = "OutputNotSent"
+
+
+def device_resources(devices: Sequence[Device], host: str | None = None) -> list[RelatedResource]:
+    """The rented GPUs as related resources of an event: ``e31.gpu.<host>.<index>``."""
+    host = host or socket.gethostname()
+    return [
+        RelatedResource.model_validate({
+            "prefect.resource.id": f"e31.gpu.{host}.{d.index}",
+            "prefect.resource.role": "gpu",
+            "prefect.resource.name": d.name,
+        })
+        for d in devices
+    ]
+
+
+def artifact_key(prefix: str, name: str) -> str:
+    """An artifact key (lowercase letters, digits, dashes) for a job name."""
+    return f"{prefix}-" + re.sub(r"[^a-z0-9-]+", "-", name.lower()).strip("-")
+
+
+class JobReport:
+    """Reports the steps of one flow run's life as events, states and, at the end, its meter."""
+
+    def __init__(self, client: PrefectClient, flow_run: FlowRun, related: list[RelatedResource]):
+        self.client = client
+        self.flow_run = flow_run
+        self.related = related
+        self._last: Event | None = None
+
+    def step(self, step: str, devices: Sequence[Device] = (), **payload: Any) -> None:
+        """Emit ``e31.job.<step>`` about the flow run, following the previous step."""
+        event = emit_event(
+            event=f"e31.job.{step}",
+            resource={
+                "prefect.resource.id": f"prefect.flow-run.{self.flow_run.id}",
+                "prefect.resource.name": self.flow_run.name,
+            },
+            related=[*self.related, *device_resources(devices)],
+            payload=payload,
+            follows=self._last,
+        )
+        self._last = event or self._last
+
+    async def fail(self, name: str, message: str) -> State:
+        """End the flow run Failed under ``name`` (forced: the worker's verdict is final)."""
+        state = Failed(name=name, message=message)
+        await self.client.set_flow_run_state(self.flow_run.id, state, force=True)
+        return state
+
+    async def close(
+        self, meter: metering.Meter, job_name: str, outcome: str | None, outputs: str | None
+    ) -> None:
+        """Record the closed meter: tags, a table artifact and a link artifact to the outputs."""
+        current = await self.client.read_flow_run(self.flow_run.id)
+        tags = [t for t in current.tags if not t.startswith("e31")] + metering.tags(meter, outcome)
+        await self.client.update_flow_run(self.flow_run.id, tags=tags)
+        await self.client.create_artifact(ArtifactCreate(
+            key=artifact_key("e31-meter", job_name),
+            type="table",
+            description=f"E31 meter of {job_name}: billed {meter.billed_seconds:.3f} s on {meter.gpus} GPU(s) "
+            f"= {meter.billed_gpu_seconds:.3f} GPU-seconds (rent and run only)",
+            data=json.dumps(metering.table(meter)),
+            flow_run_id=self.flow_run.id,
+        ))
+        if outputs:
+            await self.client.create_artifact(ArtifactCreate(
+                key=artifact_key("e31-outputs", job_name),
+                type="markdown",
+                description=f"Outputs of {job_name}",
+                data=f"[{outputs}]({outputs})",
+                flow_run_id=self.flow_run.id,
+            ))

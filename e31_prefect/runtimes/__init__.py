@@ -1,0 +1,1 @@
+"""Where a flow run's work executes: a local process (here) or a container (docker)."""

@@ -1,0 +1,43 @@
+"""Settings of the e31 worker and CLI, read from ``E31_*`` environment variables.
+
+``E31_GPUS="4xH100" prefect worker start --pool gpu --type e31`` declares a host's GPUs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class E31Settings(BaseSettings):
+    """Where e31 keeps its files on a host and how it treats the runs it starts."""
+
+    model_config = SettingsConfigDict(env_prefix="E31_", extra="ignore")
+
+    gpus: str | None = Field(
+        default=None,
+        description="Declared GPU inventory (0:H100,1:H100 or 4xH100); NVML is asked when unset.",
+    )
+    home: Path = Field(
+        default=Path("~/.e31").expanduser(),
+        description="Workspaces of running jobs and the spool of outputs not yet sent.",
+    )
+    stop_grace_seconds: float = Field(
+        default=10.0,
+        description="At the time limit, how long a run has after SIGTERM before SIGKILL.",
+    )
+    keep_workspaces: bool = Field(
+        default=False, description="Keep each run's workspace after release (for debugging)."
+    )
+
+    @property
+    def workspaces(self) -> Path:
+        """One folder per flow run: data/ and output/."""
+        return self.home.expanduser() / "workspaces"
+
+    @property
+    def spool(self) -> Path:
+        """Outputs kept because their destination could not take them."""
+        return self.home.expanduser() / "spool"

@@ -1,0 +1,431 @@
+"""The e31 worker: rents GPUs for each flow run, runs it unattended, returns its outputs, meters it.
+
+    prefect work-pool create gpu --type e31
+    E31_GPUS="2xH100" prefect worker start --pool gpu --type e31
+
+For each flow run of its pool the worker lives the job's life: refuse it if
+its deadline can no longer be met, stage its data (no GPU held yet), rent
+devices, run it with only those devices visible, give the devices back the
+moment it ends, send its outputs, and close the meter.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+from shutil import move, rmtree
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
+from uuid import UUID
+
+import anyio
+import anyio.abc
+from pydantic import Field, PrivateAttr
+from prefect.client.schemas.objects import FlowRun
+from prefect.exceptions import ObjectNotFound
+from prefect.states import Crashed, Scheduled
+from prefect.workers.base import BaseJobConfiguration, BaseVariables, BaseWorker, BaseWorkerResult
+
+from e31_prefect import reporting, timing
+from e31_prefect.dirs import DATA_DIR_VARIABLE, OUTPUT_DIR_VARIABLE
+from e31_prefect.inventory import Device, Inventory, discover, pick_devices, visible_devices_env
+from e31_prefect.job import DataInput, Job, JobError, Output, Request, Work
+from e31_prefect.meter import Meter
+from e31_prefect.runtimes.process import run_process
+from e31_prefect.scheduling import WaitingRun, decide
+from e31_prefect.settings import E31Settings
+from e31_prefect.staging import StagingError, UploadError, make_writable, missing_outputs, stage_inputs, upload_outputs
+
+if TYPE_CHECKING:
+    from prefect.client.schemas.objects import WorkPool
+    from prefect.client.schemas.responses import DeploymentResponse, WorkerFlowRunResponse
+    from prefect.client.schemas.objects import Flow as APIFlow
+
+# Environment a job never inherits from its worker: storage credentials and the worker's own settings.
+_WITHHELD_PREFIXES = ("AWS_", "AZURE_", "GOOGLE_APPLICATION_CREDENTIALS", "E31_")
+
+
+class E31Variables(BaseVariables):
+    """The e31 work pool's form: the job's team, work, data, request and output."""
+
+    team: str | None = Field(default=None, title="Team", description="Who pays: used by the meter.",
+                             examples=["vision"])
+    timezone: str | None = Field(default=None, title="Time zone",
+                                 description="IANA zone for HH:MM starts and deadlines.",
+                                 examples=["Europe/Paris"])
+    work: Work | None = Field(default=None, title="Work", description="Parameters, environment and image.")
+    data: list[DataInput] | None = Field(default=None, title="Data",
+                                         description="Inputs staged read-only before any GPU is rented.")
+    request: Request | None = Field(default=None, title="Request",
+                                    description="GPUs, time limit, earliest start, deadline, priority.")
+    output: Output | None = Field(default=None, title="Output",
+                                  description="Where the output dir is sent and what it must hold.")
+
+
+class E31JobConfiguration(BaseJobConfiguration):
+    """One flow run's job as the worker receives it: raw job variables, validated in :meth:`job`."""
+
+    team: str | None = Field(default=None)
+    timezone: str | None = Field(default=None)
+    work: dict[str, Any] | None = Field(default=None)
+    data: list[Any] | None = Field(default=None)
+    request: dict[str, Any] | None = Field(default=None)
+    output: dict[str, Any] | None = Field(default=None)
+
+    _job_name: str = PrivateAttr(default="job")
+
+    def prepare_for_flow_run(
+        self,
+        flow_run: FlowRun,
+        deployment: DeploymentResponse | None = None,
+        flow: APIFlow | None = None,
+        work_pool: WorkPool | None = None,
+        worker_name: str | None = None,
+        worker_id: UUID | None = None,
+    ) -> None:
+        """Stamp Prefect's environment and labels; the job is named after its deployment."""
+        super().prepare_for_flow_run(flow_run, deployment, flow, work_pool, worker_name, worker_id=worker_id)
+        self._job_name = deployment.name if deployment else flow_run.name
+
+    def job(self, name: str | None = None) -> Job:
+        """The validated job; raises :class:`JobError` naming each bad field."""
+        return Job.from_job_variables(self.model_dump(), name=name or self._job_name)
+
+
+class E31WorkerResult(BaseWorkerResult):
+    """How a flow run's infrastructure ended."""
+
+
+class E31Worker(BaseWorker[E31JobConfiguration, E31Variables, E31WorkerResult]):
+    """Runs E31 jobs on this host's GPUs: stage, rent, run, output, release, metered."""
+
+    type = "e31"
+    job_configuration = E31JobConfiguration
+    job_configuration_variables = E31Variables
+    _description = "Run E31 GPU jobs: stage data, rent GPUs, run unattended, return outputs, meter the rent."
+    _display_name = "E31"
+    _documentation_url = "https://github.com/e31-network/e31-prefect"
+
+    def __init__(self, *args: Any, settings: E31Settings | None = None,
+                 only_flow_run_ids: set[UUID] | None = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.settings = settings or E31Settings()
+        self.inventory = Inventory(discover(self.settings.gpus))
+        self.meters: dict[UUID, Meter] = {}
+        self._living: set[UUID] = set()
+        # `e31 run` drives a worker for its own run only; `prefect worker start` takes the whole pool.
+        self._only_flow_run_ids = only_flow_run_ids
+
+    # -- choosing runs ----------------------------------------------------------------------------
+
+    async def get_and_submit_flow_runs(self) -> list[FlowRun]:
+        """Poll the pool; refuse missed deadlines; take the most urgent runs that fit free devices."""
+        if not self._has_successfully_synced:
+            return await super().get_and_submit_flow_runs()
+        responses = await self._get_scheduled_flow_runs()
+        self._last_polled_time = datetime.now(timezone.utc)
+        responses = [r for r in responses if r.flow_run.id not in self._submitting_flow_run_ids
+                     and (self._only_flow_run_ids is None or r.flow_run.id in self._only_flow_run_ids)]
+        if not responses:
+            return []
+        by_id = {r.flow_run.id: r for r in responses}
+        waiting = await self._waiting_runs([r.flow_run for r in responses])
+        now = datetime.now(timezone.utc)
+        decision = decide(waiting.values(), self.inventory.free(), now)
+        for run in decision.missed:
+            await self._refuse_missed(by_id[run.id].flow_run, run.latest_start, now)
+        chosen: list[WorkerFlowRunResponse] = []
+        for run, devices in decision.start:
+            if self.inventory.hold(run.id, devices):
+                chosen.append(by_id[run.id])
+        return await self._submit_scheduled_flow_runs(flow_run_response=chosen)
+
+    async def _waiting_runs(self, flow_runs: list[FlowRun]) -> dict[UUID, WaitingRun]:
+        deployments: dict[UUID, DeploymentResponse | None] = {}
+        waiting = {}
+        for flow_run in flow_runs:
+            if flow_run.deployment_id and flow_run.deployment_id not in deployments:
+                try:
+                    deployments[flow_run.deployment_id] = await self.client.read_deployment(flow_run.deployment_id)
+                except ObjectNotFound:
+                    deployments[flow_run.deployment_id] = None
+            deployment = deployments.get(flow_run.deployment_id) if flow_run.deployment_id else None
+            waiting[flow_run.id] = await self._waiting_run(flow_run, deployment)
+        return waiting
+
+    async def _waiting_run(self, flow_run: FlowRun, deployment: DeploymentResponse | None) -> WaitingRun:
+        scheduled = scheduled_start(flow_run)
+        values = {**(deployment.job_variables if deployment else {}), **(flow_run.job_variables or {})}
+        try:
+            configuration = await self.job_configuration.from_template_and_values(
+                self.work_pool.base_job_template, values, client=self.client)
+            job = configuration.job(deployment.name if deployment else flow_run.name)
+        except (JobError, ValueError):
+            # An invalid job is taken at once so that its run fails with the reason, on no device.
+            return WaitingRun(flow_run.id, 0, None, scheduled)
+        deadline = timing.resolve_deadline(job.request.deadline, scheduled, job.tz)
+        return WaitingRun(
+            id=flow_run.id,
+            gpus=job.request.gpus,
+            gpu_type=job.request.gpu_type,
+            scheduled=scheduled,
+            latest_start=timing.latest_start(deadline, job.request.admission_duration),
+            priority=job.request.priority,
+        )
+
+    async def _refuse_missed(self, flow_run: FlowRun, latest: datetime | None, now: datetime) -> None:
+        report = reporting.JobReport(self.client, flow_run, [])
+        message = (f"Deadline missed: the run had to start by {latest.isoformat() if latest else '?'} "
+                   f"to finish in time; it is now {now.isoformat(timespec='seconds')}. No GPU was rented.")
+        report.step("deadline-missed", latest_start=str(latest), now=now.isoformat())
+        await report.fail(reporting.DEADLINE_MISSED, message)
+        meter = Meter()
+        meter.mark("submitted", scheduled_start(flow_run))
+        meter.mark("released", now)
+        await report.close(meter, flow_run.name, "deadline-missed", None)
+        self.get_flow_run_logger(flow_run).warning(message)
+
+    @property
+    def busy(self) -> bool:
+        """Whether a run is being submitted or lived on this worker now."""
+        return bool(self._submitting_flow_run_ids or self._living)
+
+    def _release_limit_slot(self, flow_run_id: UUID) -> None:
+        # Called by Prefect whenever a run stops occupying this worker, including a submission
+        # another worker won: the devices reserved for it go back too.
+        self.inventory.give_back(flow_run_id)
+        super()._release_limit_slot(flow_run_id)
+
+    # -- living one job ---------------------------------------------------------------------------
+
+    async def run(
+        self,
+        flow_run: FlowRun,
+        configuration: E31JobConfiguration,
+        task_status: anyio.abc.TaskStatus[int] | None = None,
+    ) -> E31WorkerResult:
+        """Live one job: refuse, stage, rent, run, output, release; the meter closes whatever happens."""
+        life = JobLife(self, flow_run, configuration, task_status or anyio.TASK_STATUS_IGNORED)
+        self._living.add(flow_run.id)
+        try:
+            exit_code = await life.live()
+        finally:
+            self._living.discard(flow_run.id)
+        return E31WorkerResult(status_code=exit_code, identifier=str(life.pid or 0))
+
+
+def scheduled_start(flow_run: FlowRun) -> datetime:
+    """When Prefect scheduled the run to start (its creation time if it has none)."""
+    moment = flow_run.expected_start_time or flow_run.next_scheduled_start_time or flow_run.created
+    return moment or datetime.now(timezone.utc)
+
+
+class JobLife:
+    """The life of one job on this host, from taking the run to closing its meter."""
+
+    def __init__(self, worker: E31Worker, flow_run: FlowRun, configuration: E31JobConfiguration,
+                 task_status: anyio.abc.TaskStatus[Any]):
+        self.worker = worker
+        self.flow_run = flow_run
+        self.configuration = configuration
+        self.task_status = task_status
+        self.log = worker.get_flow_run_logger(flow_run)
+        self.report = reporting.JobReport(
+            worker.client, flow_run, worker._event_related_resources(configuration=configuration))
+        self.meter = worker.meters.setdefault(flow_run.id, Meter())
+        self.workspace = worker.settings.workspaces / str(flow_run.id)
+        self.pid: int | None = None
+        self.devices: list[Device] = []
+        self.outcome: str | None = None
+        self.outputs: str | None = None
+        self.job_name = configuration._job_name
+        self.handed_back = False
+        self._started = False
+
+    def now(self) -> datetime:
+        return datetime.now(timezone.utc)
+
+    def _not_started(self, reason: Exception) -> None:
+        # Prefect's worker waits for this signal; an exception says no infrastructure started.
+        if not self._started:
+            self._started = True
+            self.task_status.started(reason)
+
+    async def live(self) -> int:
+        self.meter.mark("submitted", scheduled_start(self.flow_run))
+        self.meter.mark("picked", self.now())
+        exit_code = 1
+        try:
+            exit_code = await self._live()
+        finally:
+            # Whatever happened, and even while the worker is being stopped, nothing stays held.
+            self.worker.inventory.give_back(self.flow_run.id)
+            with anyio.CancelScope(shield=True):
+                await self._release()
+        return exit_code
+
+    async def _live(self) -> int:
+        try:
+            job = self.configuration.job()
+        except JobError as exc:
+            await self._refuse(reporting.INVALID_JOB, "The job is not valid:\n" + str(exc))
+            return 1
+        self.job_name = job.name
+        self.meter.gpus, self.meter.team = job.request.gpus, job.team
+
+        scheduled = scheduled_start(self.flow_run)
+        deadline = timing.resolve_deadline(job.request.deadline, scheduled, job.tz)
+        latest = timing.latest_start(deadline, job.request.admission_duration)
+        if latest is not None and self.now() > latest:
+            self.outcome = "deadline-missed"
+            self.report.step("deadline-missed", latest_start=latest.isoformat())
+            await self._refuse(reporting.DEADLINE_MISSED,
+                               f"Deadline missed: the run had to start by {latest.isoformat()} to finish "
+                               f"by {deadline.isoformat() if deadline else '?'}; it is now "
+                               f"{self.now().isoformat(timespec='seconds')}. No GPU was rented.")
+            return 1
+
+        data_dir, output_dir = self.workspace / "data", self.workspace / "output"
+        output_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            staged = await anyio.to_thread.run_sync(stage_inputs, job.data, data_dir, None, self.log)
+        except StagingError as exc:
+            await self._refuse(reporting.STAGING_FAILED, f"Staging failed before any GPU was rented: {exc}")
+            return 1
+        self.meter.mark("staged", self.now())
+        self.report.step("staged", files=staged.files, bytes=staged.bytes, seconds=round(staged.seconds, 3))
+
+        devices = self._rent(job)
+        if devices is None:
+            await self._hand_back(job)
+            return 0
+        self.devices = devices
+        self.meter.devices = [d.index for d in devices]
+        self.meter.mark("rented", self.now())
+        self.report.step("rented", devices, gpus=len(devices), devices=[d.index for d in devices])
+
+        limit = timing.stop_at(self.now(), job.request.time_limit, deadline)
+        seconds = None if limit is None else max(0.0, (limit - self.now()).total_seconds())
+        env = self._environment(job, devices, data_dir, output_dir)
+        try:
+            outcome = await run_process(
+                [sys.executable, "-m", "prefect.engine"],
+                env=env, cwd=self.workspace, time_limit=seconds,
+                grace_seconds=self.worker.settings.stop_grace_seconds, on_started=self._on_started,
+            )
+        finally:
+            self.meter.mark("run_ended", self.now())
+            self.worker.inventory.give_back(self.flow_run.id)
+        self.log.info("Run ended (exit code %s); devices %s back in the pool",
+                      outcome.exit_code, [d.index for d in devices] or "none")
+
+        if outcome.timed_out:
+            self.outcome = "timed-out"
+            self.report.step("timed-out", devices, limit=str(limit))
+            await self.report.fail(reporting.TIMED_OUT,
+                                   f"Timed out: stopped at its time limit {limit.isoformat() if limit else ''} "
+                                   f"after {self.meter.run_seconds:.0f} s; outputs written so far were kept.")
+        else:
+            state = (await self.worker.client.read_flow_run(self.flow_run.id)).state
+            if state is None or not state.is_final():
+                await self.worker.client.set_flow_run_state(self.flow_run.id, Crashed(
+                    message=f"The flow run process exited with code {outcome.exit_code} without a final state."),
+                    force=True)
+        await self._send_outputs(job, output_dir)
+        return outcome.exit_code
+
+    def _rent(self, job: Job) -> list[Device] | None:
+        inventory = self.worker.inventory
+        held = inventory.held_by(self.flow_run.id)
+        if len(held) == job.request.gpus:
+            return held
+        wanted = pick_devices(inventory.free(), job.request.gpus, job.request.gpu_type)
+        if wanted is not None and inventory.hold(self.flow_run.id, wanted):
+            return wanted
+        return None
+
+    async def _hand_back(self, job: Job) -> None:
+        # Devices were taken while this run staged: put it back for this or another worker.
+        message = f"No {job.request.gpus} free GPU(s) on worker {self.worker.name!r}; rescheduled."
+        self.log.warning(message)
+        self.handed_back = True
+        await self.worker.client.set_flow_run_state(
+            self.flow_run.id, Scheduled(scheduled_time=self.now(), message=message), force=True)
+        self._not_started(RuntimeError(message))
+
+    def _on_started(self, pid: int) -> None:
+        self.pid = pid
+        self.meter.mark("running", self.now())
+        self.report.step("running", self.devices, pid=pid)
+        if not self._started:
+            self._started = True
+            self.task_status.started(pid)
+
+    def _environment(self, job: Job, devices: list[Device], data_dir: Path, output_dir: Path) -> dict[str, str]:
+        inherited = {k: v for k, v in os.environ.items() if not k.startswith(_WITHHELD_PREFIXES)}
+        prefect_env = {k: v for k, v in self.configuration.env.items() if v is not None}
+        return {
+            **inherited,
+            **prefect_env,
+            **job.work.env,
+            # Set last: a job cannot widen its own view of the host.
+            **visible_devices_env(devices),
+            DATA_DIR_VARIABLE: str(data_dir),
+            OUTPUT_DIR_VARIABLE: str(output_dir),
+        }
+
+    async def _send_outputs(self, job: Job, output_dir: Path) -> None:
+        destination = self._destination(job)
+        try:
+            sent = await anyio.to_thread.run_sync(upload_outputs, output_dir, destination, None, 3, 1.0, self.log)
+        except UploadError as exc:
+            kept = self.worker.settings.spool / str(self.flow_run.id)
+            kept.parent.mkdir(parents=True, exist_ok=True)
+            move(str(output_dir), str(kept))
+            self.outputs = f"file://{kept}/"
+            await self.report.fail(reporting.OUTPUT_NOT_SENT,
+                                   f"Outputs could not be sent ({exc}); they are kept at {kept}.")
+            return
+        self.outputs = destination
+        self.meter.mark("output", self.now())
+        self.report.step("output", files=sent.files, bytes=sent.bytes, destination=destination)
+        missing = missing_outputs(output_dir, job.output.expect)
+        state = (await self.worker.client.read_flow_run(self.flow_run.id)).state
+        if missing and state is not None and state.is_completed():
+            await self.report.fail(reporting.OUTPUT_MISSING,
+                                   "Expected output missing: " + ", ".join(missing)
+                                   + f" (the run wrote {sent.files} file(s) to {destination}).")
+
+    def _destination(self, job: Job) -> str:
+        template = job.output.to or f"file://{self.worker.settings.home / 'outputs'}/{{flow_run.id}}/"
+        return template.format(
+            flow_run=SimpleNamespace(id=str(self.flow_run.id), name=self.flow_run.name),
+            date=scheduled_start(self.flow_run).date().isoformat(),
+            job=job.name,
+        )
+
+    async def _refuse(self, name: str, message: str) -> None:
+        self.log.error(message)
+        await self.report.fail(name, message)
+        self._not_started(RuntimeError(message))
+
+    async def _release(self) -> None:
+        self._not_started(RuntimeError("The run ended before it started."))
+        if self.handed_back:
+            self.worker.meters.pop(self.flow_run.id, None)
+            return
+        self.meter.mark("released", self.now())
+        if "rented" in self.meter.marks:
+            # A run cut short by the worker itself stops billing here, never later.
+            self.meter.mark("run_ended", self.meter.marks["released"])
+        try:
+            await self.report.close(self.meter, self.job_name, self.outcome, self.outputs)
+        except Exception:
+            self.log.exception("Recording the meter of this run failed")
+        self.report.step("released", self.devices, billed_seconds=round(self.meter.billed_seconds, 3),
+                         billed_gpu_seconds=round(self.meter.billed_gpu_seconds, 3), gpus=self.meter.gpus)
+        if not self.worker.settings.keep_workspaces and self.workspace.exists():
+            make_writable(self.workspace)
+            rmtree(self.workspace, ignore_errors=True)
