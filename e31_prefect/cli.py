@@ -49,6 +49,10 @@ def _parser() -> argparse.ArgumentParser:
     validate.add_argument("--now", action="store_true", help="plan as if started now, ignoring start")
     validate.set_defaults(handler=_validate)
 
+    server = commands.add_parser("server", help="the local Prefect server the CLI starts")
+    server.add_argument("action", choices=["stop"])
+    server.set_defaults(handler=_server)
+
     for name, handler, text in (
         ("submit", _submit, "schedule a job as a flow run and return at once"),
         ("run", _run, "submit a job and run it here with an e31 worker until it ends"),
@@ -83,6 +87,13 @@ def _validate(args: argparse.Namespace) -> int:
         print(f"# deadline:       {the_plan.deadline.astimezone(job.tz).isoformat(timespec='minutes')}")
         assert the_plan.latest_start is not None
         print(f"# latest start:   {the_plan.latest_start.astimezone(job.tz).isoformat(timespec='minutes')}")
+    return 0
+
+
+def _server(args: argparse.Namespace) -> int:
+    from e31_prefect.local_server import stop_local_server
+
+    print("Stopped the local Prefect server." if stop_local_server() else "No local Prefect server was running.")
     return 0
 
 

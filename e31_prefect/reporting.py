@@ -59,7 +59,7 @@ class JobReport:
         self.related = related
         self._last: Event | None = None
 
-    def step(self, step: str, devices: Sequence[Device] = (), **payload: Any) -> None:
+    def step(self, step: str, held: Sequence[Device] = (), **payload: Any) -> None:
         """Emit ``e31.job.<step>`` about the flow run, following the previous step."""
         event = emit_event(
             event=f"e31.job.{step}",
@@ -67,7 +67,7 @@ class JobReport:
                 "prefect.resource.id": f"prefect.flow-run.{self.flow_run.id}",
                 "prefect.resource.name": self.flow_run.name,
             },
-            related=[*self.related, *device_resources(devices)],
+            related=[*self.related, *device_resources(held)],
             payload=payload,
             follows=self._last,
         )

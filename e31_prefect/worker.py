@@ -259,6 +259,11 @@ class JobLife:
         exit_code = 1
         try:
             exit_code = await self._live()
+        except Exception as exc:
+            self.log.exception("The e31 worker failed while running this job")
+            await self.worker.client.set_flow_run_state(
+                self.flow_run.id, Crashed(message=f"The e31 worker failed: {type(exc).__name__}: {exc}"), force=True)
+            self._not_started(exc)
         finally:
             # Whatever happened, and even while the worker is being stopped, nothing stays held.
             self.worker.inventory.give_back(self.flow_run.id)
