@@ -1,0 +1,80 @@
+"""A real Prefect server for the integration tests, and helpers to run the real CLIs against it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from uuid import UUID
+
+import httpx
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLES = REPO / "deployments" / "jobs"
+
+
+@pytest.fixture(scope="session")
+def prefect_server() -> Iterator[str]:
+    """Start ``prefect server start`` once for the session; yields its API URL."""
+    api_url = os.environ["PREFECT_API_URL"]
+    port = api_url.rsplit(":", 1)[1].split("/")[0]
+    log = Path(os.environ["PREFECT_HOME"]).parent / "server.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("wb") as out:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", port],
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{api_url}/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if server.poll() is not None:
+            pytest.fail(f"the Prefect server exited: {log.read_text()[-3000:]}")
+        time.sleep(0.5)
+    else:
+        server.kill()
+        pytest.fail("the Prefect server did not start within 180 s")
+    yield api_url
+    os.killpg(server.pid, 15)
+    server.wait(timeout=30)
+
+
+@pytest.fixture
+def jobs(tmp_path: Path) -> Path:
+    """A private copy of the example jobs' folder, so outputs land in the test's own tmp dir."""
+    target = tmp_path / "jobs"
+    shutil.copytree(EXAMPLES, target, ignore=shutil.ignore_patterns("outputs", "__pycache__"))
+    return target
+
+
+@pytest.fixture
+def pool(request: pytest.FixtureRequest) -> str:
+    """A work pool name of this test's own, so tests never take each other's runs."""
+    return "t-" + request.node.name.replace("_", "-").replace("[", "-").replace("]", "")[:40]
+
+
+def cli(*args: str, gpus: str | None = None, env: dict[str, str] | None = None,
+        timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    """Run a console command (``e31 ...`` or ``prefect ...``) the way a user would."""
+    full_env = {**os.environ, **(env or {})}
+    if gpus is not None:
+        full_env["E31_GPUS"] = gpus
+    program = shutil.which(args[0], path=str(Path(sys.executable).parent)) or args[0]
+    return subprocess.run([program, *args[1:]], env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def flow_run_id(output: str) -> UUID:
+    """The flow run id printed by ``e31 submit`` / ``e31 run`` (``... (<uuid>) ...``)."""
+    for line in output.splitlines():
+        if line.startswith("Submitted flow run"):
+            return UUID(line.split("(", 1)[1].split(")", 1)[0])
+    raise AssertionError(f"no flow run id in output:\n{output}")

@@ -1,0 +1,349 @@
+"""E31 jobs end to end: the real e31 and prefect CLIs, a real Prefect server, the process runtime.
+
+Each test runs what a user runs and checks what a user sees: the final state,
+the outputs, the flow run's tags, artifacts and events.
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+import time
+from pathlib import Path
+from uuid import UUID
+
+import pytest
+from prefect import get_client
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+from prefect.events.filters import EventFilter, EventNameFilter, EventResourceFilter
+
+from tests.integration.conftest import cli, flow_run_id
+
+pytestmark = pytest.mark.integration
+
+
+def read_run(run_id: UUID):
+    with get_client(sync_client=True) as client:
+        return client.read_flow_run(run_id)
+
+
+def artifacts_of(run_id: UUID) -> dict[str, object]:
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run_id])))
+    return {a.key.split("-")[1]: a for a in found if a.key and a.key.startswith("e31-")}
+
+
+def e31_events(run_id: UUID, expect: set[str], timeout: float = 30) -> list[str]:
+    """The e31.job.* event names about a flow run, in order, once all of ``expect`` arrived."""
+    names: list[str] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with get_client(sync_client=True) as client:
+            page = client.read_events(filter=EventFilter(
+                event=EventNameFilter(prefix=["e31.job."]),
+                resource=EventResourceFilter(id=[f"prefect.flow-run.{run_id}"]),
+            ), limit=50)
+        names = [e.event for e in sorted(page.events, key=lambda e: e.occurred)]
+        if expect <= set(names):
+            return names
+        time.sleep(1)
+    raise AssertionError(f"events {sorted(expect - set(names))} never arrived; got {names}")
+
+
+def running(pid: int) -> bool:
+    """Whether a process is alive (a killed child left unreaped as a zombie is not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state not in ("Z", "X")
+
+
+def write_job(folder: Path, text: str, flow: str | None = None, name: str = "job.yaml") -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    if flow is not None:
+        (folder / "flow.py").write_text(textwrap.dedent(flow))
+    path = folder / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def test_example_job_runs_end_to_end_with_meter_tags_artifacts_and_events(prefect_server, jobs, pool):
+    result = cli("e31", "run", str(jobs / "retrain.yaml"), "--now", "--pool", pool, gpus="1xH100")
+    assert result.returncode == 0, result.stdout + result.stderr
+    run_id = flow_run_id(result.stdout)
+    assert ": Completed" in result.stdout
+
+    outputs = list((jobs / "outputs" / "retrain-tonight").iterdir())
+    assert len(outputs) == 1
+    metrics = json.loads((outputs[0] / "metrics.json").read_text())
+    assert metrics["accuracy"] > 0.8 and (outputs[0] / "model.json").exists()
+
+    run = read_run(run_id)
+    assert run.state.is_completed()
+    tags = set(run.tags)
+    assert {"e31", "e31:gpus=1", "e31:team=vision"} <= tags
+    billed = int(next(t for t in tags if t.startswith("e31:billed-s=")).split("=")[1])
+    run_s = int(next(t for t in tags if t.startswith("e31:run-s=")).split("=")[1])
+    assert 0 <= run_s <= billed + 1
+
+    found = artifacts_of(run_id)
+    rows = json.loads(found["meter"].data)
+    steps = [row["step"] for row in rows]
+    assert steps == ["submitted", "picked", "staged", "rented", "running", "run_ended", "output",
+                     "released", "total billed"]
+    rented = next(r for r in rows if r["step"] == "rented")["at"]
+    ended = next(r for r in rows if r["step"] == "run_ended")["at"]
+    from datetime import datetime
+
+    billed_exact = (datetime.fromisoformat(ended) - datetime.fromisoformat(rented)).total_seconds()
+    assert rows[-1]["seconds"] == pytest.approx(billed_exact, abs=0.002)
+    assert outputs[0].as_uri() in found["outputs"].data
+
+    names = e31_events(run_id, {"e31.job.staged", "e31.job.rented", "e31.job.running",
+                                "e31.job.output", "e31.job.released"})
+    assert names == ["e31.job.staged", "e31.job.rented", "e31.job.running", "e31.job.output",
+                     "e31.job.released"]
+
+
+def test_job_sees_only_its_devices_its_dirs_and_no_credentials(prefect_server, tmp_path, pool):
+    job = write_job(tmp_path / "probe", """
+        name: env-probe
+        work:
+          flow: flow.py:probe
+          env: {CUDA_VISIBLE_DEVICES: "0,1,2,3"}
+        data:
+          - from: input.txt
+        request: {gpus: 2, gpu_type: h100, max_duration: 5m}
+        output: {to: ./out/, expect: [env.json]}
+        """, flow="""
+        import json, os
+        from prefect import flow
+        from e31_prefect import data_dir, output_dir
+
+        @flow
+        def probe():
+            seen = {k: os.environ.get(k) for k in (
+                "CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "AWS_SECRET_ACCESS_KEY", "E31_GPUS")}
+            seen["input"] = (data_dir() / "input.txt").read_text()
+            seen["data_writable"] = os.access(data_dir() / "input.txt", os.W_OK) and os.geteuid() != 0
+            (output_dir() / "env.json").write_text(json.dumps(seen))
+        """)
+    (tmp_path / "probe" / "input.txt").write_text("hello")
+    result = cli("e31", "run", str(job), "--pool", pool, gpus="0:A100,1:H100,2:H100,3:NVIDIA H100 80GB",
+                 env={"AWS_SECRET_ACCESS_KEY": "do-not-leak"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    seen = json.loads((tmp_path / "probe" / "out" / "env.json").read_text())
+    # gpu_type h100 skips device 0 (an A100); the job's own env cannot widen its view.
+    assert seen["CUDA_VISIBLE_DEVICES"] == "1,2"
+    assert seen["NVIDIA_VISIBLE_DEVICES"] == "1,2"
+    assert seen["AWS_SECRET_ACCESS_KEY"] is None and seen["E31_GPUS"] is None
+    assert seen["input"] == "hello"
+    assert seen["data_writable"] is False
+    assert "e31:gpus=2" in read_run(flow_run_id(result.stdout)).tags
+
+
+def test_time_limit_kills_the_process_group_and_fails_timed_out(prefect_server, tmp_path, pool):
+    job = write_job(tmp_path / "slow", """
+        name: too-slow
+        work: {flow: flow.py:slow}
+        request: {gpus: 1, max_duration: 4s}
+        output: {to: ./out/}
+        """, flow="""
+        import subprocess, sys, time
+        from prefect import flow
+        from e31_prefect import output_dir
+
+        @flow
+        def slow():
+            child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+            (output_dir() / "child.pid").write_text(str(child.pid))
+            (output_dir() / "partial.txt").write_text("written before the limit")
+            time.sleep(600)
+        """)
+    started = time.monotonic()
+    result = cli("e31", "run", str(job), "--pool", pool, gpus="1xH100",
+                 env={"E31_STOP_GRACE_SECONDS": "2"})
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert time.monotonic() - started < 120
+    run_id = flow_run_id(result.stdout)
+    run = read_run(run_id)
+    assert run.state.is_failed() and run.state.name == "TimedOut"
+    assert "time limit" in run.state.message
+    assert "e31:timed-out" in run.tags
+    out = tmp_path / "slow" / "out"
+    assert (out / "partial.txt").read_text() == "written before the limit"
+    assert not running(int((out / "child.pid").read_text()))
+    billed = int(next(t for t in run.tags if t.startswith("e31:billed-s=")).split("=")[1])
+    assert 3 <= billed <= 30
+    e31_events(run_id, {"e31.job.timed-out", "e31.job.released"})
+
+
+def test_missing_expected_output_fails_the_run_naming_the_file(prefect_server, tmp_path, pool):
+    job = write_job(tmp_path / "forgetful", """
+        name: forgetful
+        work: {flow: flow.py:forget}
+        request: {gpus: 0, max_duration: 5m}
+        output: {to: ./out/, expect: [model.json, metrics.json]}
+        """, flow="""
+        from prefect import flow
+        from e31_prefect import output_dir
+
+        @flow
+        def forget():
+            (output_dir() / "metrics.json").write_text("{}")
+        """)
+    result = cli("e31", "run", str(job), "--pool", pool)
+    assert result.returncode == 1
+    run = read_run(flow_run_id(result.stdout))
+    assert run.state.name == "OutputMissing" and "model.json" in run.state.message
+    assert "metrics.json" not in run.state.message.split("(")[0]
+    assert (tmp_path / "forgetful" / "out" / "metrics.json").exists()
+
+
+def test_command_job_runs_through_the_built_in_flow(prefect_server, jobs, pool):
+    result = cli("e31", "run", str(jobs / "simulations.yaml"), "--pool", pool)
+    assert result.returncode == 0, result.stdout + result.stderr
+    [out] = (jobs / "outputs" / "ten-thousand-simulations").iterdir()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["simulations"] == 10000
+    histogram = (out / "histogram.csv").read_text().splitlines()[1:]
+    assert sum(int(line.split(",")[1]) for line in histogram) == 10000
+
+
+def test_worker_refuses_a_run_past_its_latest_start_before_renting(prefect_server, tmp_path, pool):
+    job = write_job(tmp_path / "late", """
+        name: late-job
+        work: {flow: flow.py:never}
+        request: {gpus: 1, max_duration: 1h, deadline: +2h}
+        """, flow="""
+        from prefect import flow
+
+        @flow
+        def never():
+            raise AssertionError("a run past its deadline must not start")
+        """)
+    submitted = cli("e31", "submit", str(job), "--pool", pool)
+    assert submitted.returncode == 0, submitted.stderr
+    with get_client(sync_client=True) as client:
+        first = client.read_flow_run(flow_run_id(submitted.stdout))
+        # A second run of the same deployment whose deadline is now too close for its hour.
+        soon = (time.time() + 600)
+        from datetime import datetime, timezone
+
+        deadline = datetime.fromtimestamp(soon, timezone.utc).isoformat()
+        late = client.create_flow_run_from_deployment(
+            first.deployment_id, job_variables={"request": {"gpus": 1, "max_duration": "1h", "deadline": deadline}})
+        client.delete_flow_run(first.id)
+    worker = cli("prefect", "worker", "start", "--pool", pool, "--type", "e31", "--run-once", gpus="1xH100")
+    assert worker.returncode == 0, worker.stdout + worker.stderr
+    run = read_run(late.id)
+    assert run.state.is_failed() and run.state.name == "DeadlineMissed"
+    assert "No GPU was rented" in run.state.message
+    assert "e31:billed-s=0" in run.tags and "e31:deadline-missed" in run.tags
+    e31_events(late.id, {"e31.job.deadline-missed"})
+
+
+def test_worker_leaves_runs_it_cannot_fit_and_takes_the_least_slack_first(prefect_server, tmp_path, pool):
+    flow = """
+        from prefect import flow
+        from e31_prefect import output_dir
+
+        @flow
+        def mark():
+            (output_dir() / "ran").write_text("yes")
+        """
+    relaxed = write_job(tmp_path / "a", """
+        name: relaxed
+        work: {flow: flow.py:mark}
+        request: {gpus: 1, max_duration: 10m, deadline: +8h}
+        output: {to: ./out/}
+        """, flow=flow)
+    urgent = write_job(tmp_path / "b", """
+        name: urgent
+        work: {flow: flow.py:mark}
+        request: {gpus: 1, max_duration: 10m, deadline: +30m}
+        output: {to: ./out/}
+        """, flow=flow)
+    big = write_job(tmp_path / "c", """
+        name: too-big
+        work: {flow: flow.py:mark}
+        request: {gpus: 2, gpu_type: H100, max_duration: 10m}
+        output: {to: ./out/}
+        """, flow=flow)
+    ids = {}
+    for path in (relaxed, big, urgent):
+        submitted = cli("e31", "submit", str(path), "--pool", pool)
+        assert submitted.returncode == 0, submitted.stderr
+        ids[path.parent.name] = flow_run_id(submitted.stdout)
+
+    worker = cli("prefect", "worker", "start", "--pool", pool, "--type", "e31", "--run-once", gpus="1xH100")
+    assert worker.returncode == 0, worker.stdout + worker.stderr
+    assert read_run(ids["b"]).state.is_completed()
+    assert read_run(ids["a"]).state.is_scheduled()
+    assert read_run(ids["c"]).state.is_scheduled()
+
+    # On two H100s the run with a deadline still goes first, and the big one no longer fits beside it.
+    worker = cli("prefect", "worker", "start", "--pool", pool, "--type", "e31", "--run-once", gpus="2xH100")
+    assert worker.returncode == 0, worker.stdout + worker.stderr
+    assert read_run(ids["a"]).state.is_completed()
+    assert read_run(ids["c"]).state.is_scheduled()
+
+    worker = cli("prefect", "worker", "start", "--pool", pool, "--type", "e31", "--run-once", gpus="2xH100")
+    assert worker.returncode == 0, worker.stdout + worker.stderr
+    assert read_run(ids["c"]).state.is_completed()
+    assert (tmp_path / "c" / "out" / "ran").exists()
+
+
+def test_submit_returns_at_once_and_a_stock_prefect_worker_runs_it(prefect_server, jobs, pool):
+    created = cli("prefect", "work-pool", "create", pool, "--type", "e31")
+    assert created.returncode == 0, created.stdout + created.stderr
+    submitted = cli("e31", "submit", str(jobs / "footage.yaml"), "--pool", pool)
+    assert submitted.returncode == 0, submitted.stderr
+    run_id = flow_run_id(submitted.stdout)
+    assert f"/runs/flow-run/{run_id}" in submitted.stdout
+    assert read_run(run_id).state.is_scheduled()
+
+    worker = cli("prefect", "worker", "start", "--pool", pool, "--type", "e31", "--run-once")
+    assert worker.returncode == 0, worker.stdout + worker.stderr
+    run = read_run(run_id)
+    assert run.state.is_completed(), run.state
+    [out] = (jobs / "outputs" / "footage-pass").iterdir()
+    track = json.loads((out / "track.json").read_text())
+    assert len(track) == 24 and all(frame["pixels"] > 0 for frame in track)
+    assert len(list((out / "masks").glob("*.pgm"))) == 24
+
+
+def test_pool_form_documents_every_request_field(prefect_server, pool):
+    created = cli("prefect", "work-pool", "create", pool, "--type", "e31")
+    assert created.returncode == 0, created.stdout + created.stderr
+    with get_client(sync_client=True) as client:
+        template = client.read_work_pool(pool).base_job_template
+    definitions = template["variables"]["definitions"] if "definitions" in template["variables"] \
+        else template["variables"]["$defs"]
+    request = definitions["Request"]["properties"]
+    assert {"gpus", "gpu_type", "max_duration", "until_done", "expected_duration", "start", "deadline",
+            "priority"} <= set(request)
+    for name, field in request.items():
+        assert field.get("title") and field.get("description") and field.get("examples"), name
+
+
+def test_bad_job_file_exits_2_with_one_line_per_problem_and_no_traceback(prefect_server, tmp_path, pool):
+    job = write_job(tmp_path / "bad", """
+        name: bad
+        work: {flow: missing.py:train, command: [python, x.py]}
+        data:
+          - {from: "gs://bucket/x", to: ../escape}
+        request: {gpus: 0, gpu_type: H100, max_duration: 2hours, deadlin: "07:00"}
+        """)
+    for command in (("validate",), ("run", "--pool", pool), ("submit", "--pool", pool)):
+        result = cli("e31", command[0], str(job), *command[1:])
+        assert result.returncode == 2, (command, result.stdout, result.stderr)
+        assert "Traceback" not in result.stderr
+        lines = [line.strip() for line in result.stderr.splitlines()[1:]]
+        assert any(line.startswith("data.from = 'gs://bucket/x'") and "s3://" in line for line in lines)
+        assert any(line.startswith("data.to = '../escape'") for line in lines)
+        assert any(line.startswith("request.max_duration = '2hours'") and "90m" in line for line in lines)
+        assert any(line.startswith("request.deadlin") and "did you mean deadline?" in line for line in lines)
+        assert any(line.startswith("work =") and "not both" in line for line in lines)
