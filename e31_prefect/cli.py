@@ -136,8 +136,26 @@ def _ui_link(flow_run_id: UUID) -> str:
 
 def _run(args: argparse.Namespace) -> int:
     job, now = _load(args)
+    if not _fits_here(job):
+        return EXIT_INVALID
     _connect()
     return asyncio.run(_run_async(job, args, now))
+
+
+def _fits_here(job: Job) -> bool:
+    """``e31 run`` runs the job on this host: say so at once if this host can never fit it."""
+    from e31_prefect.inventory import discover, pick_devices
+    from e31_prefect.settings import E31Settings
+
+    devices = discover(E31Settings().gpus)
+    if pick_devices(devices, job.request.gpus, job.request.gpu_type) is not None:
+        return True
+    have = ", ".join(f"{d.index}:{d.name}" for d in devices) or "no GPU"
+    wanted = f"{job.request.gpus} GPU(s)" + (f" of type {job.request.gpu_type}" if job.request.gpu_type else "")
+    print(f"{job.name}: asks for {wanted}, and this host has {have} (NVML, or E31_GPUS when set). "
+          "Run it on a GPU host, use `e31 submit` for a worker that has them, or declare this "
+          "host's GPUs, e.g. E31_GPUS=1xH100.", file=sys.stderr)
+    return False
 
 
 async def _run_async(job: Job, args: argparse.Namespace, now: datetime) -> int:

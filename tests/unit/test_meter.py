@@ -31,7 +31,9 @@ def at(seconds: float) -> datetime:
     return T0 + timedelta(seconds=seconds)
 
 
-def metered(gpus: int = 2, team: str | None = "vision", timeline: dict[str, float] = TIMELINE) -> Meter:
+def metered(
+    gpus: int = 2, team: str | None = "vision", timeline: dict[str, float] = TIMELINE
+) -> Meter:
     meter = Meter(gpus=gpus, team=team)
     for step, seconds in timeline.items():
         meter.mark(step, at(seconds))
@@ -64,7 +66,8 @@ def test_billed_gpu_seconds_is_gpus_times_billed(gpus, expected):
 
 
 def test_nothing_is_billed_before_the_run_ends():
-    meter = metered(timeline={k: v for k, v in TIMELINE.items() if k in ("submitted", "picked", "rented")})
+    early = ("submitted", "picked", "rented")
+    meter = metered(timeline={k: v for k, v in TIMELINE.items() if k in early})
     assert meter.billed_seconds == 0.0
     assert meter.billed_gpu_seconds == 0.0
 
@@ -119,7 +122,12 @@ def test_every_step_has_a_meaning():
 
 def test_tags_carry_the_meter():
     assert tags(metered(), "succeeded") == [
-        "e31", "e31:gpus=2", "e31:billed-s=3725", "e31:run-s=3720", "e31:team=vision", "e31:succeeded",
+        "e31",
+        "e31:gpus=2",
+        "e31:billed-s=3725",
+        "e31:run-s=3720",
+        "e31:team=vision",
+        "e31:succeeded",
     ]
 
 
@@ -155,8 +163,12 @@ def test_table_rows_in_step_order_with_a_total():
         meter.mark(step, at(TIMELINE[step]))
     rows = table(meter)
     assert [row["step"] for row in rows] == [*STEPS, "total billed"]
-    assert [row["seconds"] for row in rows] == [0.0, 60.0, 120.0, 20.0, 5.0, 3720.0, 60.0, 5.0, 3725.0]
-    assert [row["billed"] for row in rows] == [False, False, False, False, True, True, False, False, True]
+    assert [row["seconds"] for row in rows] == [
+        0.0, 60.0, 120.0, 20.0, 5.0, 3720.0, 60.0, 5.0, 3725.0,
+    ]
+    assert [row["billed"] for row in rows] == [
+        False, False, False, False, True, True, False, False, True,
+    ]
     assert rows[0] == {
         "step": "submitted",
         "at": "2026-12-03T22:00:00+00:00",

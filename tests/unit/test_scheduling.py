@@ -111,8 +111,8 @@ def test_no_deadline_runs_are_first_come_first_served():
 
 @pytest.mark.xfail(
     strict=True,
-    reason="BUG: among runs with no deadline (equal slack), urgency() sorts by scheduled time before "
-    "priority, so a priority-10 run scheduled 5 minutes later loses to a priority-0 run; "
+    reason="BUG: among runs with no deadline (equal slack), urgency() sorts by scheduled time "
+    "before priority, so a priority-10 run scheduled 5 minutes later loses to a priority-0 run; "
     "the documented rule is 'higher priority among runs with equal slack'",
 )
 def test_no_deadline_runs_higher_priority_goes_first():
@@ -182,7 +182,8 @@ def test_run_past_its_latest_start_is_missed_and_not_started():
 
 
 def test_missed_run_does_not_take_devices():
-    decision = decide([run("late", gpus=1, latest=-30), run("next", gpus=1, latest=600)], gpus(H100), NOW)
+    waiting = [run("late", gpus=1, latest=-30), run("next", gpus=1, latest=600)]
+    decision = decide(waiting, gpus(H100), NOW)
     assert [r.id for r in decision.missed] == ["late"]
     assert placement(decision) == {"next": [0]}
 
@@ -204,7 +205,8 @@ def test_latest_start_in_another_zone_is_compared_as_an_instant():
 
     paris = ZoneInfo("Europe/Paris")
     # 22:30 Paris is 21:30 UTC, half an hour before NOW.
-    late = WaitingRun("late", 0, None, NOW, latest_start=datetime(2026, 12, 3, 22, 30, tzinfo=paris))
+    latest = datetime(2026, 12, 3, 22, 30, tzinfo=paris)
+    late = WaitingRun("late", 0, None, NOW, latest_start=latest)
     assert decide([late], [], NOW).missed == [late]
 
 
