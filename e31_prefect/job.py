@@ -48,15 +48,20 @@ Duration = Annotated[
 ]
 
 
+MISSING = object()
+
+
 @dataclass(frozen=True)
 class Problem:
-    """One thing wrong with a job: which field, what value, and what to do about it."""
+    """One thing wrong with a job: which field, what value (or ``MISSING``), and what to do about it."""
 
     field: str
     value: Any
     fix: str
 
     def __str__(self) -> str:
+        if self.value is MISSING:
+            return f"{self.field or 'job'}: {self.fix}"
         return f"{self.field or 'job'} = {_show(self.value)}: {self.fix}"
 
 
@@ -144,6 +149,9 @@ class Work(BaseModel):
     def _split_command(cls, value: Any) -> Any:
         if isinstance(value, str):
             return shlex.split(value)
+        if isinstance(value, list):
+            # YAML reads 10000 as a number; a command line is text.
+            return [str(item) for item in value]
         return value
 
     @field_validator("command")
@@ -300,7 +308,7 @@ class Request(BaseModel):
             problems.append(Problem("request.until_done", True,
                                     "conflicts with max_duration; keep one: a hard time limit or until_done"))
         if not self.max_duration and not self.until_done:
-            problems.append(Problem("request.max_duration", None,
+            problems.append(Problem("request.max_duration", MISSING,
                                     "is missing; set a hard time limit (e.g. max_duration: 2h) "
                                     "or until_done: true with an expected_duration"))
         if self.expected_duration and not self.until_done:
@@ -445,7 +453,8 @@ def problems_from(exc: ValidationError) -> list[Problem]:
         if error["type"] == "extra_forbidden":
             message = "is not a job field" + _suggestion(loc)
         elif error["type"] == "missing":
-            message = "is required"
+            problems.append(Problem(field, MISSING, "is required"))
+            continue
         problems.append(Problem(field, error.get("input"), message))
     return problems
 
@@ -469,6 +478,19 @@ def _suggestion(loc: list[str]) -> str:
 # -- job files --------------------------------------------------------------------------------
 
 
+class JobFileLoader(yaml.SafeLoader):
+    """YAML without base-60 numbers: ``start: 22:00`` is the text 22:00, not the number 1320."""
+
+
+JobFileLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers
+            if tag not in ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float") or not regexp.match("1:00")]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+JobFileLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:int", re.compile(r"^[-+]?(?:0|[1-9][0-9_]*|0x[0-9a-fA-F_]+|0o?[0-7_]+)$"), list("-+0123456789"))
+
+
 def load_job_file(path: str | Path) -> Job:
     """Read, validate and anchor a job file: relative paths become absolute ``file://`` URLs.
 
@@ -478,7 +500,7 @@ def load_job_file(path: str | Path) -> Job:
     path = Path(path)
     source = str(path)
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.load(path.read_text(), Loader=JobFileLoader)
     except FileNotFoundError:
         raise JobError([Problem("job file", source, "does not exist; check the path")], source) from None
     except yaml.YAMLError as exc:
@@ -521,7 +543,7 @@ def flow_file(work: Work, base: Path) -> tuple[Path, str]:
 
 def _work_problems(work: Work, base: Path) -> list[Problem]:
     if not work.flow and not work.command:
-        return [Problem("work", None, "says nothing to run; give flow: path/to/file.py:function or command: [...]")]
+        return [Problem("work", MISSING, "says nothing to run; give flow: path/to/file.py:function or command: [...]")]
     if not work.flow:
         return []
     source, function = flow_file(work, base)
@@ -571,8 +593,9 @@ def plan_problems(job: Job, the_plan: Plan) -> list[Problem]:
         return []
     assert the_plan.deadline is not None
     need = timing.format_duration(job.request.admission_duration)
+    deadline, start = (moment.astimezone(job.tz).isoformat() for moment in (the_plan.deadline, the_plan.start))
     return [Problem(
         "request.deadline", job.request.deadline,
-        f"is {the_plan.deadline.isoformat()}, before the start {the_plan.start.isoformat()} plus {need}; "
+        f"is {deadline}, before the start {start} plus {need}; "
         "move the deadline later, start earlier, or shorten the time limit",
     )]

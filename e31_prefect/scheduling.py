@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timezone
 
 from e31_prefect.inventory import Device, pick_devices
 
@@ -35,10 +35,12 @@ class Decision:
     missed: list[WaitingRun] = field(default_factory=list)
 
 
+_NO_DEADLINE = datetime.max.replace(tzinfo=timezone.utc)
+
+
 def urgency(run: WaitingRun) -> tuple:
     """Sort key: earliest latest start (no deadline last), then higher priority, then scheduled time."""
-    no_deadline = run.latest_start is None
-    return (no_deadline, run.latest_start or run.scheduled, -run.priority, run.scheduled)
+    return (run.latest_start or _NO_DEADLINE, -run.priority, run.scheduled)
 
 
 def decide(waiting: Iterable[WaitingRun], free: Sequence[Device], now: datetime) -> Decision:

@@ -3,6 +3,10 @@
 Nothing here reads a clock: every function that needs "now" or a scheduled
 start takes it as an argument, so the rules are tested exhaustively.
 
+Every moment returned is in UTC: arithmetic on datetimes that share a named
+zone is wall-clock arithmetic in Python, which is an hour off across a
+daylight-saving change. Zones matter only for reading times of day.
+
 The rules of the seed live here:
 
 - a job's *time limit* is its ``max_duration``; an "until done" job has none of
@@ -26,6 +30,7 @@ _ISO = re.compile(
 _TIME_OF_DAY = re.compile(r"^([01]?\d|2[0-3]):([0-5]\d)$")
 
 DURATION_HINT = "write a duration such as 90m, 2h, 1h30m, PT2H or a number of seconds"
+MAX_DURATION = timedelta(days=366)
 TIME_HINT = "write a time of day such as 22:00 or an ISO datetime with a zone such as 2026-12-03T07:00:00+00:00"
 
 
@@ -39,8 +44,10 @@ def parse_duration(value: str | int | float | timedelta) -> timedelta:
         seconds = float(value)
     else:
         seconds = _parse_duration_text(str(value).strip())
-    if seconds <= 0:
+    if not seconds > 0:  # also refuses NaN
         raise ValueError(f"{value!r} is not a positive duration; {DURATION_HINT}")
+    if seconds > MAX_DURATION.total_seconds():
+        raise ValueError(f"{value!r} is longer than a year; {DURATION_HINT}")
     return timedelta(seconds=seconds)
 
 
@@ -58,16 +65,17 @@ def _parse_duration_text(text: str) -> float:
 
 
 def format_duration(delta: timedelta) -> str:
-    """Write a timedelta the way job files do: ``1h30m``, ``45s``, ``2d3h``."""
-    remaining = round(delta.total_seconds())
-    if remaining == 0:
-        return "0s"
+    """Write a timedelta the way job files do: ``1h30m``, ``45s``, ``2d3h``, ``0.5s``."""
+    total = round(delta.total_seconds(), 6)
+    whole, fraction = int(total), round(total - int(total), 6)
     parts = []
     for unit, size in _UNIT_SECONDS.items():
-        count, remaining = divmod(remaining, size)
-        if count:
+        count, whole = divmod(whole, size)
+        if unit == "s" and fraction:
+            parts.append(f"{count + fraction:g}s")
+        elif count:
             parts.append(f"{count}{unit}")
-    return "".join(parts)
+    return "".join(parts) or "0s"
 
 
 def parse_time_of_day(text: str) -> time | None:
@@ -116,14 +124,19 @@ def zone(name: str | None) -> tzinfo:
     return local
 
 
-def next_occurrence(at: time, after: datetime, tz: tzinfo, *, inclusive: bool) -> datetime:
-    """The first moment at wall-clock time ``at`` in ``tz`` at or after (or strictly after) ``after``.
+def utc(moment: datetime) -> datetime:
+    """The same instant in UTC, where subtraction counts real seconds."""
+    return moment.astimezone(timezone.utc)
 
-    Wall-clock arithmetic is done per calendar day, so a 07:00 deadline stays
-    07:00 across a daylight-saving change.
+
+def next_occurrence(at: time, after: datetime, tz: tzinfo, *, inclusive: bool) -> datetime:
+    """The first instant showing wall-clock ``at`` in ``tz`` at or after (or strictly after) ``after``.
+
+    The day is chosen on the local calendar, so a 07:00 deadline stays 07:00
+    local across a daylight-saving change; the result is in UTC.
     """
-    local_after = after.astimezone(tz)
-    day = local_after.date()
+    after = utc(after)
+    day = after.astimezone(tz).date()
     for _ in range(3):
         candidate = _wall_clock(day, at, tz)
         if candidate > after or (inclusive and candidate == after):
@@ -133,16 +146,17 @@ def next_occurrence(at: time, after: datetime, tz: tzinfo, *, inclusive: bool) -
 
 
 def _wall_clock(day: date, at: time, tz: tzinfo) -> datetime:
-    # Round-trip through UTC so a time inside a spring-forward gap lands on a real instant.
-    return datetime.combine(day, at).replace(tzinfo=tz).astimezone(timezone.utc).astimezone(tz)
+    # Via UTC, so a time inside a spring-forward gap lands on a real instant.
+    return utc(datetime.combine(day, at).replace(tzinfo=tz))
 
 
 def resolve_start(spec: str | None, now: datetime, tz: tzinfo) -> datetime:
     """The earliest start a job asks for, seen from ``now``: never earlier than now."""
+    now = utc(now)
     if not spec:
         return now
     at = parse_time_of_day(spec)
-    moment = next_occurrence(at, now, tz, inclusive=True) if at else parse_aware_datetime(spec)
+    moment = next_occurrence(at, now, tz, inclusive=True) if at else utc(parse_aware_datetime(spec))
     return max(moment, now)
 
 
@@ -155,11 +169,11 @@ def resolve_deadline(spec: str | None, scheduled_start: datetime, tz: tzinfo) ->
     if not spec:
         return None
     if spec.startswith("+"):
-        return scheduled_start + parse_duration(spec[1:])
+        return utc(scheduled_start) + parse_duration(spec[1:])
     at = parse_time_of_day(spec)
     if at:
         return next_occurrence(at, scheduled_start, tz, inclusive=False)
-    return parse_aware_datetime(spec)
+    return utc(parse_aware_datetime(spec))
 
 
 def admission_duration(max_duration: timedelta | None, expected_duration: timedelta | None) -> timedelta:
@@ -169,12 +183,12 @@ def admission_duration(max_duration: timedelta | None, expected_duration: timede
 
 def latest_start(deadline: datetime | None, duration: timedelta) -> datetime | None:
     """The last moment a run can start and still finish by its deadline (None: no deadline)."""
-    return None if deadline is None else deadline - duration
+    return None if deadline is None else utc(deadline) - duration
 
 
 def slack(latest: datetime | None, now: datetime) -> timedelta | None:
     """How long a run can still wait; negative once its latest start has passed."""
-    return None if latest is None else latest - now
+    return None if latest is None else utc(latest) - utc(now)
 
 
 def stop_at(
@@ -182,5 +196,5 @@ def stop_at(
 ) -> datetime | None:
     """When a started run is stopped: at its time limit, or at its deadline when it has none."""
     if max_duration is not None:
-        return started + max_duration
-    return deadline
+        return utc(started) + max_duration
+    return None if deadline is None else utc(deadline)
