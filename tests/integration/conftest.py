@@ -78,3 +78,20 @@ def flow_run_id(output: str) -> UUID:
         if line.startswith("Submitted flow run"):
             return UUID(line.split("(", 1)[1].split(")", 1)[0])
     raise AssertionError(f"no flow run id in output:\n{output}")
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[dict[str, str]]:
+    """moto's S3 server on loopback; yields the environment that points s3fs at it."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield {
+        "AWS_ENDPOINT_URL": f"http://{host}:{port}",
+        "AWS_ACCESS_KEY_ID": "e31-test-key",
+        "AWS_SECRET_ACCESS_KEY": "e31-test-secret",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+    server.stop()
