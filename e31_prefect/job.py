@@ -81,7 +81,8 @@ def _show(value: Any) -> str:
 
 def _cross(problems: list[Problem]) -> PydanticCustomError:
     # Cross-field problems travel inside one pydantic error so each keeps its own field name.
-    return PydanticCustomError("e31_cross", "{summary}", {"summary": "; ".join(map(str, problems)), "problems": problems})
+    summary = "; ".join(map(str, problems))
+    return PydanticCustomError("e31_cross", "{summary}", {"summary": summary, "problems": problems})
 
 
 def check_url(url: str) -> str:
@@ -150,7 +151,10 @@ class Work(BaseModel):
         if isinstance(value, str):
             return shlex.split(value)
         if isinstance(value, list):
-            # YAML reads 10000 as a number; a command line is text.
+            # YAML reads 10000 as a number; a command line is text. Anything else was not meant.
+            for item in value:
+                if isinstance(item, bool) or not isinstance(item, (str, int, float)):
+                    raise ValueError(f"item {item!r} is not text; quote each argument, e.g. \"--n\"")
             return [str(item) for item in value]
         return value
 
@@ -479,16 +483,29 @@ def _suggestion(loc: list[str]) -> str:
 
 
 class JobFileLoader(yaml.SafeLoader):
-    """YAML without base-60 numbers: ``start: 22:00`` is the text 22:00, not the number 1320."""
+    """YAML with plain numbers only: ``22:00``, ``0755`` and ``0x10`` stay text, only true/false are booleans.
+
+    YAML 1.1 (PyYAML's default) would read ``start: 22:00`` as 1320, ``0755`` as 493 and ``yes`` as
+    True, silently changing a job's times and command lines.
+    """
 
 
+_YAML_1_1_ONLY = ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float", "tag:yaml.org,2002:bool")
 JobFileLoader.yaml_implicit_resolvers = {
-    first: [(tag, regexp) for tag, regexp in resolvers
-            if tag not in ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float") or not regexp.match("1:00")]
+    first: [(tag, regexp) for tag, regexp in resolvers if tag not in _YAML_1_1_ONLY]
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
 }
 JobFileLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:int", re.compile(r"^[-+]?(?:0|[1-9][0-9_]*|0x[0-9a-fA-F_]+|0o?[0-7_]+)$"), list("-+0123456789"))
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+JobFileLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:int", re.compile(r"^[-+]?(?:0|[1-9][0-9]*)$"),
+    list("-+0123456789"))
+JobFileLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^(?:[-+]?(?:\.[0-9]+|[0-9]+\.[0-9]*)(?:[eE][-+]?[0-9]+)?|[-+]?[0-9]+[eE][-+]?[0-9]+"
+               r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
+    list("-+.0123456789"))
+
 
 
 def load_job_file(path: str | Path) -> Job:

@@ -72,7 +72,7 @@ def format_duration(delta: timedelta) -> str:
     for unit, size in _UNIT_SECONDS.items():
         count, whole = divmod(whole, size)
         if unit == "s" and fraction:
-            parts.append(f"{count + fraction:g}s")
+            parts.append(f"{count + fraction:.6f}".rstrip("0") + "s")
         elif count:
             parts.append(f"{count}{unit}")
     return "".join(parts) or "0s"

@@ -22,11 +22,11 @@ from uuid import UUID
 
 import anyio
 import anyio.abc
-from pydantic import Field, PrivateAttr
 from prefect.client.schemas.objects import FlowRun
 from prefect.exceptions import ObjectNotFound
 from prefect.states import Crashed, Scheduled
 from prefect.workers.base import BaseJobConfiguration, BaseVariables, BaseWorker, BaseWorkerResult
+from pydantic import Field, PrivateAttr
 
 from e31_prefect import reporting, timing
 from e31_prefect.dirs import DATA_DIR_VARIABLE, OUTPUT_DIR_VARIABLE
@@ -39,9 +39,9 @@ from e31_prefect.settings import E31Settings
 from e31_prefect.staging import StagingError, UploadError, make_writable, missing_outputs, stage_inputs, upload_outputs
 
 if TYPE_CHECKING:
+    from prefect.client.schemas.objects import Flow as APIFlow
     from prefect.client.schemas.objects import WorkPool
     from prefect.client.schemas.responses import DeploymentResponse, WorkerFlowRunResponse
-    from prefect.client.schemas.objects import Flow as APIFlow
 
 # Environment a job never inherits from its worker: storage credentials and the worker's own settings.
 _WITHHELD_PREFIXES = ("AWS_", "AZURE_", "GOOGLE_APPLICATION_CREDENTIALS", "E31_")
@@ -133,16 +133,17 @@ class E31Worker(BaseWorker[E31JobConfiguration, E31Variables, E31WorkerResult]):
         by_id = {r.flow_run.id: r for r in responses}
         waiting = await self._waiting_runs([r.flow_run for r in responses])
         now = datetime.now(timezone.utc)
-        decision = decide(waiting.values(), self.inventory.free(), now)
+        decision = decide([run for run, _ in waiting.values()], self.inventory.free(), now)
         for run in decision.missed:
-            await self._refuse_missed(by_id[run.id].flow_run, run.latest_start, now)
+            await self._refuse_missed(by_id[run.id].flow_run, waiting[run.id][1], run.latest_start, now)
         chosen: list[WorkerFlowRunResponse] = []
         for run, devices in decision.start:
             if self.inventory.hold(run.id, devices):
                 chosen.append(by_id[run.id])
         return await self._submit_scheduled_flow_runs(flow_run_response=chosen)
 
-    async def _waiting_runs(self, flow_runs: list[FlowRun]) -> dict[UUID, WaitingRun]:
+    async def _waiting_runs(self, flow_runs: list[FlowRun]) -> dict[UUID, tuple[WaitingRun, str]]:
+        """Each scheduled run as the scheduler sees it, with its job's name."""
         deployments: dict[UUID, DeploymentResponse | None] = {}
         waiting = {}
         for flow_run in flow_runs:
@@ -152,18 +153,20 @@ class E31Worker(BaseWorker[E31JobConfiguration, E31Variables, E31WorkerResult]):
                 except ObjectNotFound:
                     deployments[flow_run.deployment_id] = None
             deployment = deployments.get(flow_run.deployment_id) if flow_run.deployment_id else None
-            waiting[flow_run.id] = await self._waiting_run(flow_run, deployment)
+            name = deployment.name if deployment else flow_run.name
+            waiting[flow_run.id] = (await self._waiting_run(flow_run, deployment, name), name)
         return waiting
 
-    async def _waiting_run(self, flow_run: FlowRun, deployment: DeploymentResponse | None) -> WaitingRun:
+    async def _waiting_run(self, flow_run: FlowRun, deployment: DeploymentResponse | None, name: str) -> WaitingRun:
         scheduled = scheduled_start(flow_run)
         values = {**(deployment.job_variables if deployment else {}), **(flow_run.job_variables or {})}
         try:
             configuration = await self.job_configuration.from_template_and_values(
                 self.work_pool.base_job_template, values, client=self.client)
-            job = configuration.job(deployment.name if deployment else flow_run.name)
-        except (JobError, ValueError):
-            # An invalid job is taken at once so that its run fails with the reason, on no device.
+            job = configuration.job(name)
+        except ValueError:
+            # An invalid job (JobError, or job variables of the wrong shape) is taken at once,
+            # on no device, so that its run fails with the reason.
             return WaitingRun(flow_run.id, 0, None, scheduled)
         deadline = timing.resolve_deadline(job.request.deadline, scheduled, job.tz)
         return WaitingRun(
@@ -175,7 +178,7 @@ class E31Worker(BaseWorker[E31JobConfiguration, E31Variables, E31WorkerResult]):
             priority=job.request.priority,
         )
 
-    async def _refuse_missed(self, flow_run: FlowRun, latest: datetime | None, now: datetime) -> None:
+    async def _refuse_missed(self, flow_run: FlowRun, job_name: str, latest: datetime | None, now: datetime) -> None:
         report = reporting.JobReport(self.client, flow_run, [])
         message = (f"Deadline missed: the run had to start by {latest.isoformat() if latest else '?'} "
                    f"to finish in time; it is now {now.isoformat(timespec='seconds')}. No GPU was rented.")
@@ -184,7 +187,7 @@ class E31Worker(BaseWorker[E31JobConfiguration, E31Variables, E31WorkerResult]):
         meter = Meter()
         meter.mark("submitted", scheduled_start(flow_run))
         meter.mark("released", now)
-        await report.close(meter, flow_run.name, "deadline-missed", None)
+        await report.close(meter, job_name, "deadline-missed", None)
         self.get_flow_run_logger(flow_run).warning(message)
 
     @property

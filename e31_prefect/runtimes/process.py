@@ -8,6 +8,7 @@ period, then SIGKILL.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 from collections.abc import Callable, Mapping, Sequence
@@ -67,7 +68,5 @@ async def stop_group(process: asyncio.subprocess.Process, grace_seconds: float) 
 
 
 def _signal_group(pgid: int, sig: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass

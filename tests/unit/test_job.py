@@ -16,6 +16,7 @@ from zoneinfo import ZoneInfo
 import pytest
 
 from e31_prefect.job import (
+    MISSING,
     OUTPUT_PLACEHOLDERS,
     Job,
     JobError,
@@ -161,18 +162,30 @@ def test_command_as_a_string_is_split_like_a_shell(tmp_path: Path):
     assert job.request.admission_duration == timedelta(minutes=5)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: env values are turned into strings but command items are not: "
-    "`command: [python, sim.py, --n, 10000]` fails with "
-    "'work.command = 10000: Input should be a valid string'",
-)
 def test_command_numbers_are_read_as_arguments(tmp_path: Path):
     job = load_job_file(write(tmp_path, "sims.yaml", """\
-        work: {command: [python, sim.py, --n, 10000]}
+        work: {command: [python, sim.py, --n, 10000, --lr, 0.5]}
         request: {max_duration: 1h}
         """))
-    assert job.work.command == ["python", "sim.py", "--n", "10000"]
+    assert job.work.command == ["python", "sim.py", "--n", "10000", "--lr", "0.5"]
+
+
+@pytest.mark.parametrize(
+    ("written", "argument"), [("0755", "0755"), ("yes", "yes"), ("off", "off"), ("0x10", "0x10")]
+)
+def test_command_items_are_the_text_as_written(tmp_path: Path, written: str, argument: str):
+    job = load_job_file(write(tmp_path, "j.yaml", f"""\
+        work: {{command: [tool, {written}, run.sh]}}
+        request: {{max_duration: 1h}}
+        """))
+    assert job.work.command == ["tool", argument, "run.sh"]
+
+
+@pytest.mark.parametrize("item", [{"--n": 5}, None, ["a", "b"]])
+def test_command_item_that_is_not_a_scalar_is_a_job_error(item):
+    data = base_job()
+    data["work"] = {"command": ["python", "x.py", item]}
+    assert only_problem(data).field == "work.command"
 
 
 def test_async_flow_function_counts_as_defined(job_folder: Path):
@@ -256,13 +269,17 @@ def test_from_job_variables_names_bad_fields():
     assert [p.field for p in caught.value.problems] == ["request.max_duration"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a sub-second max_duration (0.5) is valid, but format_duration writes it as '0s', "
-    "which from_job_variables then refuses as not positive",
-)
-def test_job_variables_round_trip_of_a_sub_second_time_limit():
-    job = parse_job(base_job(max_duration=0.5))
+@pytest.mark.parametrize(("limit", "written"), [(0.5, "0.5s"), (90.5, "1m30.5s"), ("1h0.25s", "1h0.25s")])
+def test_job_variables_round_trip_of_a_fractional_time_limit(limit, written):
+    job = parse_job(base_job(max_duration=limit))
+    variables = job.to_job_variables()
+    assert variables["request"]["max_duration"] == written
+    assert Job.from_job_variables(variables, "j") == job
+
+
+@pytest.mark.parametrize("limit", [1.234567, 90.123456, 0.000001])
+def test_job_variables_round_trip_of_a_microsecond_time_limit(limit):
+    job = parse_job(base_job(max_duration=limit))
     assert Job.from_job_variables(job.to_job_variables(), "j") == job
 
 
@@ -292,7 +309,8 @@ def test_unknown_data_field_suggests_the_alias_from():
     data["data"] = [{"frm": "s3://b/x"}]
     fields = {p.field: p for p in problems_of(data)}
     assert fields["data.frm"].fix == "is not a job field; did you mean from?"
-    assert fields["data.from"].fix == "is required"
+    assert (fields["data.from"].value, fields["data.from"].fix) == (MISSING, "is required")
+    assert str(fields["data.from"]) == "data.from: is required"
 
 
 def test_unknown_field_without_a_close_name_lists_the_fields():
@@ -349,8 +367,11 @@ def test_malformed_relative_deadline():
 
 def test_missing_time_limit():
     problem = only_problem({"name": "j", "work": {"command": ["true"]}, "request": {"gpus": 1}})
-    assert (problem.field, problem.value) == ("request.max_duration", None)
-    assert "until_done: true" in problem.fix
+    assert (problem.field, problem.value) == ("request.max_duration", MISSING)
+    assert str(problem) == (
+        "request.max_duration: is missing; set a hard time limit (e.g. max_duration: 2h) "
+        "or until_done: true with an expected_duration"
+    )
 
 
 def test_time_limit_and_until_done_conflict():
@@ -493,17 +514,36 @@ def test_a_job_must_be_a_mapping(not_a_mapping):
 
 def test_request_is_required():
     problem = only_problem({"name": "j", "work": {"command": ["x"]}})
-    assert (problem.field, problem.fix) == ("request", "is required")
+    assert (problem.field, problem.value, problem.fix) == ("request", MISSING, "is required")
+    assert str(problem) == "request: is required"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: an infinite or huge duration (max_duration: inf / 1e20) escapes as OverflowError "
-    "instead of a JobError naming request.max_duration",
+def test_a_written_null_is_shown_as_none_not_as_missing():
+    problem = only_problem({"name": "j", "work": {"command": ["x"]}, "request": None})
+    assert problem.value is None
+    assert str(problem).startswith("request = None: ")
+
+
+@pytest.mark.parametrize(
+    ("huge", "shown"),
+    [("inf", "'inf'"), (1e20, "1e+20"), (float("inf"), "inf"), ("367d", "'367d'")],
 )
-@pytest.mark.parametrize("huge", ["inf", 1e20, float("inf")])
-def test_huge_duration_is_a_job_error(huge):
-    assert only_problem(base_job(max_duration=huge)).field == "request.max_duration"
+def test_huge_duration_is_a_job_error(huge, shown):
+    problem = only_problem(base_job(max_duration=huge))
+    assert problem.field == "request.max_duration"
+    assert str(problem) == (
+        f"request.max_duration = {shown}: {shown} is longer than a year; "
+        "write a duration such as 90m, 2h, 1h30m, PT2H or a number of seconds"
+    )
+
+
+@pytest.mark.parametrize(("nan", "shown"), [("nan", "'nan'"), (float("nan"), "nan")])
+def test_nan_duration_is_a_job_error(nan, shown):
+    problem = only_problem(base_job(max_duration=nan))
+    assert str(problem) == (
+        f"request.max_duration = {shown}: {shown} is not a positive duration; "
+        "write a duration such as 90m, 2h, 1h30m, PT2H or a number of seconds"
+    )
 
 
 # -- several problems at once -----------------------------------------------------------------
@@ -591,8 +631,9 @@ def test_flow_file_that_does_not_parse(tmp_path: Path):
 def test_neither_flow_nor_command(tmp_path: Path):
     path = write(tmp_path, "j.yaml", "request: {max_duration: 1h}\n")
     [problem] = load_problems(path)
+    assert (problem.field, problem.value) == ("work", MISSING)
     assert str(problem) == (
-        "work = None: says nothing to run; give flow: path/to/file.py:function or command: [...]"
+        "work: says nothing to run; give flow: path/to/file.py:function or command: [...]"
     )
 
 
@@ -648,17 +689,38 @@ def test_unquoted_iso_deadline_is_read_as_the_same_instant(tmp_path: Path):
     assert the_plan.deadline == datetime(2026, 12, 4, 7, tzinfo=UTC)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: YAML 1.1 reads an unquoted 22:00 as the base-60 integer 1320, so `start: 22:00` "
-    "fails with \"request.start = 1320: '1320' is not a time\"",
-)
 def test_unquoted_time_of_day_in_a_job_file(tmp_path: Path):
     job = load_job_file(write(tmp_path, "j.yaml", """\
+        timezone: Europe/Paris
         work: {command: [echo, hi]}
         request: {max_duration: 1h, start: 22:00, deadline: 23:30}
         """))
     assert (job.request.start, job.request.deadline) == ("22:00", "23:30")
+    the_plan = plan(job, datetime(2026, 12, 3, 12, tzinfo=UTC))
+    assert the_plan.start == datetime(2026, 12, 3, 21, 0, tzinfo=UTC)  # 22:00 in Paris
+    assert the_plan.deadline == datetime(2026, 12, 3, 22, 30, tzinfo=UTC)  # 23:30 in Paris
+
+
+def test_unquoted_clock_like_duration_in_a_job_file_is_refused_as_written(tmp_path: Path):
+    # Not the base-60 number 5400 seconds: 1:30 is not a duration form, and the message says so.
+    [problem] = load_problems(write(tmp_path, "j.yaml", """\
+        work: {command: [echo, hi]}
+        request: {max_duration: 1:30}
+        """))
+    assert str(problem) == (
+        "request.max_duration = '1:30': '1:30' is not a duration; "
+        "write a duration such as 90m, 2h, 1h30m, PT2H or a number of seconds"
+    )
+
+
+def test_numbers_in_a_job_file_are_still_numbers(tmp_path: Path):
+    job = load_job_file(write(tmp_path, "j.yaml", """\
+        work: {command: [echo, hi]}
+        request: {gpus: 2, max_duration: 3600, priority: -3}
+        """))
+    assert (job.request.gpus, job.request.max_duration, job.request.priority) == (
+        2, timedelta(hours=1), -3,
+    )
 
 
 # -- plan and plan_problems -------------------------------------------------------------------
@@ -676,9 +738,10 @@ NOW = datetime(2026, 12, 3, 12, 0, tzinfo=UTC)  # 13:00 in Paris
 def test_plan_of_a_night_job():
     job = timed_job(max_duration="20m", start="22:00", deadline="07:00")
     the_plan = plan(job, NOW)
-    assert the_plan.start == datetime(2026, 12, 3, 22, 0, tzinfo=PARIS)
-    assert the_plan.deadline == datetime(2026, 12, 4, 7, 0, tzinfo=PARIS)
-    assert the_plan.latest_start == datetime(2026, 12, 4, 6, 40, tzinfo=PARIS)
+    assert the_plan.start == datetime(2026, 12, 3, 21, 0, tzinfo=UTC)  # 22:00 in Paris
+    assert the_plan.deadline == datetime(2026, 12, 4, 6, 0, tzinfo=UTC)  # 07:00 in Paris
+    assert the_plan.latest_start == datetime(2026, 12, 4, 5, 40, tzinfo=UTC)  # 06:40 in Paris
+    assert {m.tzinfo for m in (the_plan.start, the_plan.deadline, the_plan.latest_start)} == {UTC}
     assert the_plan.time_limit == timedelta(minutes=20)
     assert plan_problems(job, the_plan) == []
 
@@ -728,28 +791,30 @@ def test_past_iso_deadline_is_a_problem():
     assert problem.value == "2026-12-03T11:00:00Z"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: on the 2026-03-29 spring-forward night in Paris, 22:00 -> 07:00 is only "
-    "8 real hours, "
-    "but latest_start is computed on the wall clock, so a 9h job is accepted",
-)
 def test_nine_hour_job_does_not_fit_the_spring_forward_night():
     job = timed_job(max_duration="9h", start="22:00", deadline="07:00")
     the_plan = plan(job, datetime(2026, 3, 28, 12, 0, tzinfo=UTC))
-    assert the_plan.deadline.astimezone(UTC) - the_plan.start.astimezone(UTC) == timedelta(hours=8)
-    assert [p.field for p in plan_problems(job, the_plan)] == ["request.deadline"]
+    assert the_plan.deadline - the_plan.start == timedelta(hours=8)
+    [problem] = plan_problems(job, the_plan)
+    assert str(problem) == (
+        "request.deadline = '07:00': is 2026-03-29T07:00:00+02:00, before the start "
+        "2026-03-28T22:00:00+01:00 plus 9h; "
+        "move the deadline later, start earlier, or shorten the time limit"
+    )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: on the 2026-10-25 fall-back night in Paris, 22:00 -> 07:00 is 10 real hours, "
-    "but a 9h30m job is refused because latest_start is computed on the wall clock",
-)
+def test_eight_hour_job_just_fits_the_spring_forward_night():
+    job = timed_job(max_duration="8h", start="22:00", deadline="07:00")
+    the_plan = plan(job, datetime(2026, 3, 28, 12, 0, tzinfo=UTC))
+    assert the_plan.latest_start == the_plan.start == datetime(2026, 3, 28, 21, 0, tzinfo=UTC)
+    assert plan_problems(job, the_plan) == []
+
+
 def test_nine_and_a_half_hour_job_fits_the_fall_back_night():
     job = timed_job(max_duration="9h30m", start="22:00", deadline="07:00")
     the_plan = plan(job, datetime(2026, 10, 24, 12, 0, tzinfo=UTC))
-    assert the_plan.deadline.astimezone(UTC) - the_plan.start.astimezone(UTC) == timedelta(hours=10)
+    assert the_plan.deadline - the_plan.start == timedelta(hours=10)
+    assert the_plan.latest_start == datetime(2026, 10, 24, 20, 30, tzinfo=UTC)  # 22:30 CEST
     assert plan_problems(job, the_plan) == []
 
 

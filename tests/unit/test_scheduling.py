@@ -1,9 +1,9 @@
 """Unit tests for e31_prefect.scheduling: which waiting runs a worker starts now, on which devices.
 
 Order: least slack (earliest latest start) first, then higher priority, then earlier scheduled
-time; runs with no deadline come last. A run that does not fit is skipped (not blocking), a run
-past its latest start is reported as missed. A seeded randomized test checks the invariants
-over many generated cases.
+time; runs with no deadline come last, ordered among themselves by priority, then scheduled
+time. A run that does not fit is skipped (not blocking), a run past its latest start is
+reported as missed. A seeded randomized test checks the invariants over many generated cases.
 """
 
 from __future__ import annotations
@@ -109,22 +109,29 @@ def test_no_deadline_runs_are_first_come_first_served():
     assert started(decide(waiting, gpus(H100), NOW)) == ["first"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: among runs with no deadline (equal slack), urgency() sorts by scheduled time "
-    "before priority, so a priority-10 run scheduled 5 minutes later loses to a priority-0 run; "
-    "the documented rule is 'higher priority among runs with equal slack'",
-)
 def test_no_deadline_runs_higher_priority_goes_first():
     waiting = [run("fifo", scheduled=-10, priority=0), run("important", scheduled=-5, priority=10)]
     assert started(decide(waiting, gpus(H100), NOW)) == ["important"]
 
 
+def test_no_deadline_runs_in_priority_then_scheduled_order():
+    waiting = [
+        run("low-early", scheduled=-30, priority=0),
+        run("high-late", scheduled=-1, priority=3),
+        run("high-early", scheduled=-2, priority=3),
+        run("negative", scheduled=-60, priority=-1),
+    ]
+    decision = decide(waiting, gpus(H100, H100, H100, H100), NOW)
+    assert started(decision) == ["high-early", "high-late", "low-early", "negative"]
+
+
 def test_urgency_key_shape():
     assert urgency(run("x", latest=30, priority=2, scheduled=-1)) == (
-        False, NOW + minutes(30), -2, NOW - minutes(1),
+        NOW + minutes(30), -2, NOW - minutes(1),
     )
-    assert urgency(run("y", scheduled=-1))[0] is True
+    assert urgency(run("y", scheduled=-1, priority=4)) == (
+        datetime.max.replace(tzinfo=UTC), -4, NOW - minutes(1),
+    )
 
 
 # -- fitting ----------------------------------------------------------------------------------

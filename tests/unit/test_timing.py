@@ -1,6 +1,7 @@
 """Unit tests for e31_prefect.timing: durations, earliest starts, deadlines, latest starts, slack.
 
-Everything here is pure time arithmetic; every "now" is a fixed, zone-aware datetime.
+Everything here is pure time arithmetic; every "now" is a fixed, zone-aware datetime. Every
+moment timing returns is in UTC, so wall-clock checks convert with ``.astimezone(zone)`` first.
 Daylight-saving nights used below (2026):
 
 - Europe/Paris springs forward on 2026-03-29 (02:00 -> 03:00) and falls back on
@@ -108,16 +109,33 @@ def test_parse_duration_refuses_booleans(flag):
     assert repr(flag) in str(caught.value)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: 'inf' and '1e20' parse as floats and then overflow timedelta with OverflowError "
-    "(not a ValueError with the hint); 'nan' gives 'cannot convert float NaN to integer'",
+@pytest.mark.parametrize(
+    ("absurd", "message"),
+    [
+        ("inf", "'inf' is longer than a year"),
+        ("1e20", "'1e20' is longer than a year"),
+        ("nan", "'nan' is not a positive duration"),
+        (float("inf"), "inf is longer than a year"),
+        (1e20, "1e+20 is longer than a year"),
+        (float("nan"), "nan is not a positive duration"),
+    ],
 )
-@pytest.mark.parametrize("absurd", ["inf", "1e20", "nan"])
-def test_parse_duration_refuses_non_finite_numbers_with_the_hint(absurd):
+def test_parse_duration_refuses_non_finite_numbers_with_the_hint(absurd, message):
     with pytest.raises(ValueError) as caught:
         parse_duration(absurd)
-    assert DURATION_HINT in str(caught.value)
+    assert str(caught.value) == f"{message}; {DURATION_HINT}"
+
+
+def test_parse_duration_accepts_up_to_366_days_and_refuses_longer():
+    assert parse_duration("366d") == timedelta(days=366)
+    assert parse_duration("P366D") == timedelta(days=366)
+    assert parse_duration(366 * 86400) == timedelta(days=366)
+    with pytest.raises(ValueError) as caught:
+        parse_duration("366d1s")
+    assert str(caught.value) == f"'366d1s' is longer than a year; {DURATION_HINT}"
+    with pytest.raises(ValueError) as caught:
+        parse_duration(366 * 86400 + 1)
+    assert str(caught.value) == f"31622401 is longer than a year; {DURATION_HINT}"
 
 
 # -- format_duration --------------------------------------------------------------------------
@@ -134,11 +152,34 @@ def test_parse_duration_refuses_non_finite_numbers_with_the_hint(absurd):
         (timedelta(hours=2), "2h"),
         (timedelta(days=1, seconds=1), "1d1s"),
         (timedelta(0), "0s"),
-        (timedelta(seconds=59.6), "1m"),
+        (timedelta(seconds=59.6), "59.6s"),
+        (timedelta(seconds=0.5), "0.5s"),
+        (timedelta(seconds=90.5), "1m30.5s"),
+        (timedelta(hours=1, seconds=0.25), "1h0.25s"),
+        (timedelta(days=1, milliseconds=100), "1d0.1s"),
     ],
 )
 def test_format_duration_writes_job_file_style(delta, text):
     assert format_duration(delta) == text
+
+
+@pytest.mark.parametrize("seconds", [0.5, 0.1, 59.6, 90.5, 3600.25, 86400.75, 0.123])
+def test_format_then_parse_round_trips_fractional_seconds(seconds):
+    delta = timedelta(seconds=seconds)
+    assert parse_duration(format_duration(delta)) == delta
+
+
+@pytest.mark.parametrize(
+    ("delta", "text"),
+    [
+        (timedelta(microseconds=1_234_567), "1.234567s"),
+        (timedelta(seconds=90, microseconds=123_456), "1m30.123456s"),
+        (timedelta(microseconds=1), "0.000001s"),
+    ],
+)
+def test_format_duration_keeps_every_microsecond(delta, text):
+    assert format_duration(delta) == text
+    assert parse_duration(format_duration(delta)) == delta
 
 
 @pytest.mark.parametrize(
@@ -251,8 +292,9 @@ def test_resolve_start_without_a_start_is_now(spec):
 
 def test_resolve_start_time_of_day_later_today():
     start = resolve_start("22:00", NOON_UTC, PARIS)
-    assert start == datetime(2026, 12, 3, 22, 0, tzinfo=PARIS)
-    assert start.astimezone(UTC) == datetime(2026, 12, 3, 21, 0, tzinfo=UTC)
+    assert start == datetime(2026, 12, 3, 21, 0, tzinfo=UTC)
+    assert start.tzinfo is UTC
+    assert start.astimezone(PARIS).replace(tzinfo=None) == datetime(2026, 12, 3, 22, 0)
 
 
 def test_resolve_start_time_of_day_already_past_is_tomorrow():
@@ -289,8 +331,11 @@ def test_resolve_start_inside_a_spring_forward_gap_lands_on_a_real_instant():
     # 02:30 does not exist in New York on 2026-03-08: it lands on 03:30 EDT (07:30 UTC).
     now = datetime(2026, 3, 8, 0, 0, tzinfo=NEW_YORK)
     start = resolve_start("02:30", now, NEW_YORK)
-    assert start.astimezone(UTC) == datetime(2026, 3, 8, 7, 30, tzinfo=UTC)
-    assert start.utcoffset() == hours(-4)
+    assert start == datetime(2026, 3, 8, 7, 30, tzinfo=UTC)
+    assert start.tzinfo is UTC
+    local = start.astimezone(NEW_YORK)
+    assert local.replace(tzinfo=None) == datetime(2026, 3, 8, 3, 30)
+    assert local.utcoffset() == hours(-4)  # EDT
 
 
 # -- resolve_deadline -------------------------------------------------------------------------
@@ -335,68 +380,62 @@ def test_resolve_deadline_iso_is_itself():
 def test_resolve_deadline_across_paris_fall_back_keeps_the_wall_clock():
     start = datetime(2026, 10, 24, 22, 0, tzinfo=PARIS)  # CEST, UTC+2
     deadline = resolve_deadline("07:00", start, PARIS)
-    assert deadline == datetime(2026, 10, 25, 7, 0, tzinfo=PARIS)
-    assert (deadline.hour, deadline.minute) == (7, 0)
-    assert deadline.utcoffset() == hours(1)  # CET after the change
+    assert deadline == datetime(2026, 10, 25, 6, 0, tzinfo=UTC)
+    assert deadline.tzinfo is UTC
+    local = deadline.astimezone(PARIS)
+    assert local.replace(tzinfo=None) == datetime(2026, 10, 25, 7, 0)
+    assert local.utcoffset() == hours(1)  # CET after the change
     # Ten real hours: 9h on the wall clock plus the hour given back.
-    assert deadline.astimezone(UTC) - start.astimezone(UTC) == hours(10)
-    assert deadline.astimezone(UTC) == datetime(2026, 10, 25, 6, 0, tzinfo=UTC)
+    assert deadline - start == hours(10)
 
 
 def test_resolve_deadline_across_paris_spring_forward_keeps_the_wall_clock():
     start = datetime(2026, 3, 28, 22, 0, tzinfo=PARIS)  # CET, UTC+1
     deadline = resolve_deadline("07:00", start, PARIS)
-    assert deadline.astimezone(UTC) == datetime(2026, 3, 29, 5, 0, tzinfo=UTC)  # 07:00 CEST
-    assert deadline.astimezone(UTC) - start.astimezone(UTC) == hours(8)
+    assert deadline == datetime(2026, 3, 29, 5, 0, tzinfo=UTC)  # 07:00 CEST
+    assert deadline.tzinfo is UTC
+    local = deadline.astimezone(PARIS)
+    assert local.replace(tzinfo=None) == datetime(2026, 3, 29, 7, 0)
+    assert local.utcoffset() == hours(2)  # CEST after the change
+    assert deadline - start == hours(8)
 
 
 def test_resolve_deadline_across_new_york_spring_forward_keeps_the_wall_clock():
     start = datetime(2026, 3, 7, 22, 0, tzinfo=NEW_YORK)  # EST, UTC-5 = 03:00 UTC on the 8th
     deadline = resolve_deadline("07:00", start, NEW_YORK)
-    assert deadline.astimezone(NEW_YORK).replace(tzinfo=None) == datetime(2026, 3, 8, 7, 0)
-    assert deadline.utcoffset() == hours(-4)  # EDT
-    assert deadline.astimezone(UTC) == datetime(2026, 3, 8, 11, 0, tzinfo=UTC)
-    assert deadline.astimezone(UTC) - start.astimezone(UTC) == hours(8)
+    assert deadline == datetime(2026, 3, 8, 11, 0, tzinfo=UTC)
+    assert deadline.tzinfo is UTC
+    local = deadline.astimezone(NEW_YORK)
+    assert local.replace(tzinfo=None) == datetime(2026, 3, 8, 7, 0)
+    assert local.utcoffset() == hours(-4)  # EDT
+    assert deadline - start == hours(8)
 
 
 # The same instant written in two zones must give the same answers. Python subtracts and adds
-# wall-clock time when a datetime carries a ZoneInfo, so "+9h" and "deadline - 9h" come out an hour
-# off across a daylight-saving change when the start/deadline is in the job's zone (as plan() and
-# resolve_deadline("07:00") produce them), but right when it is in UTC (as the worker passes them).
+# wall-clock time when two datetimes share a ZoneInfo, so "+9h" and "deadline - 9h" would come out
+# an hour off across a daylight-saving change if timing did its arithmetic in the job's zone.
 
 SPRING_START_PARIS = datetime(2026, 3, 28, 22, 0, tzinfo=PARIS)  # = 21:00 UTC
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: '+9h' from a Paris-zoned start on 2026-03-28T22:00 gives 8 real hours "
-    "(wall-clock addition); from the same instant in UTC it gives 9",
-)
 def test_relative_deadline_is_the_same_instant_whatever_zone_the_start_is_in():
     from_paris = resolve_deadline("+9h", SPRING_START_PARIS, PARIS)
     from_utc = resolve_deadline("+9h", SPRING_START_PARIS.astimezone(UTC), PARIS)
     assert from_utc == datetime(2026, 3, 29, 6, 0, tzinfo=UTC)
     assert from_paris == from_utc
+    assert from_paris.tzinfo is UTC
+    assert from_paris - SPRING_START_PARIS == hours(9)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: latest_start(2026-03-29T07:00 Paris, 9h) is 21:00 UTC (wall-clock subtraction); "
-    "a 9h run started then ends at 06:00 UTC, one hour after the 05:00 UTC deadline",
-)
 def test_latest_start_counts_real_time_across_spring_forward():
     deadline = datetime(2026, 3, 29, 7, 0, tzinfo=PARIS)  # 05:00 UTC
     latest = latest_start(deadline, hours(9))
     assert latest == datetime(2026, 3, 28, 20, 0, tzinfo=UTC)
+    assert latest.tzinfo is UTC
     assert latest == latest_start(deadline.astimezone(UTC), hours(9))
+    assert deadline - latest == hours(9)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: slack between two Paris-zoned datetimes across 2026-03-29 counts "
-    "wall-clock hours (9h), "
-    "not the 8 real hours left",
-)
 def test_slack_counts_real_time_across_spring_forward():
     latest = datetime(2026, 3, 29, 7, 0, tzinfo=PARIS)
     now = SPRING_START_PARIS
@@ -437,6 +476,15 @@ def test_stop_at_is_the_time_limit_when_there_is_one():
     assert stop_at(started, timedelta(minutes=20), None) == twenty_past
 
 
+def test_stop_at_counts_real_time_across_spring_forward():
+    started = SPRING_START_PARIS  # 21:00 UTC
+    assert stop_at(started, hours(9), None) == datetime(2026, 3, 29, 6, 0, tzinfo=UTC)
+    assert stop_at(started, hours(9), None).tzinfo is UTC
+    deadline = datetime(2026, 3, 29, 7, 0, tzinfo=PARIS)
+    assert stop_at(started, None, deadline) == datetime(2026, 3, 29, 5, 0, tzinfo=UTC)
+    assert stop_at(started, None, deadline).tzinfo is UTC
+
+
 def test_stop_at_is_the_deadline_for_an_until_done_run():
     started = datetime(2026, 12, 3, 21, 0, tzinfo=UTC)
     deadline = datetime(2026, 12, 4, 6, 0, tzinfo=UTC)
@@ -449,3 +497,38 @@ def test_admission_duration_prefers_the_time_limit_then_the_expected_duration():
     assert admission_duration(hours(2), timedelta(minutes=40)) == hours(2)
     assert admission_duration(None, timedelta(minutes=40)) == timedelta(minutes=40)
     assert admission_duration(None, None) == timedelta(0)
+
+
+# -- every moment returned is in UTC ----------------------------------------------------------
+
+
+PARIS_EVENING = datetime(2026, 12, 3, 22, 0, tzinfo=PARIS)  # 21:00 UTC
+
+
+@pytest.mark.parametrize(
+    ("moment", "expected"),
+    [
+        (lambda: resolve_start(None, PARIS_EVENING, PARIS), datetime(2026, 12, 3, 21, 0, tzinfo=UTC)),
+        (lambda: resolve_start("23:00", PARIS_EVENING, PARIS), datetime(2026, 12, 3, 22, 0, tzinfo=UTC)),
+        (lambda: resolve_start("2026-12-04T08:00:00+01:00", PARIS_EVENING, PARIS),
+         datetime(2026, 12, 4, 7, 0, tzinfo=UTC)),
+        (lambda: resolve_deadline("+1h", PARIS_EVENING, PARIS), datetime(2026, 12, 3, 22, 0, tzinfo=UTC)),
+        (lambda: resolve_deadline("07:00", PARIS_EVENING, PARIS), datetime(2026, 12, 4, 6, 0, tzinfo=UTC)),
+        (lambda: resolve_deadline("2026-12-04T08:00:00+01:00", PARIS_EVENING, PARIS),
+         datetime(2026, 12, 4, 7, 0, tzinfo=UTC)),
+        (lambda: timing.next_occurrence(time(7, 0), PARIS_EVENING, PARIS, inclusive=False),
+         datetime(2026, 12, 4, 6, 0, tzinfo=UTC)),
+        (lambda: latest_start(PARIS_EVENING, hours(1)), datetime(2026, 12, 3, 20, 0, tzinfo=UTC)),
+        (lambda: stop_at(PARIS_EVENING, hours(1), None), datetime(2026, 12, 3, 22, 0, tzinfo=UTC)),
+        (lambda: stop_at(PARIS_EVENING, None, PARIS_EVENING), datetime(2026, 12, 3, 21, 0, tzinfo=UTC)),
+    ],
+    ids=[
+        "resolve_start-now", "resolve_start-time", "resolve_start-iso", "resolve_deadline-relative",
+        "resolve_deadline-time", "resolve_deadline-iso", "next_occurrence", "latest_start",
+        "stop_at-limit", "stop_at-deadline",
+    ],
+)
+def test_every_moment_returned_is_in_utc(moment, expected):
+    result = moment()
+    assert result == expected
+    assert result.tzinfo is UTC

@@ -20,14 +20,14 @@ def read_pgm(path: Path) -> tuple[int, int, bytes]:
 def background(paths: list[Path]) -> list[int]:
     """Per-pixel median over all frames: what does not move."""
     stacks = [read_pgm(p)[2] for p in paths]
-    return [sorted(column)[len(column) // 2] for column in zip(*stacks)]
+    return [sorted(column)[len(column) // 2] for column in zip(*stacks, strict=True)]
 
 
 @task
 def motion(path: Path, still: list[int], threshold: int) -> dict[str, object]:
     """Pixels far from the background, written as a mask frame; returns the blob's centre."""
     width, height, pixels = read_pgm(path)
-    mask = bytes(255 if abs(p - b) > threshold else 0 for p, b in zip(pixels, still))
+    mask = bytes(255 if abs(p - b) > threshold else 0 for p, b in zip(pixels, still, strict=True))
     (output_dir() / "masks").mkdir(exist_ok=True)
     (output_dir() / "masks" / path.name).write_bytes(f"P5 {width} {height} 255\n".encode() + mask)
     moving = [i for i, value in enumerate(mask) if value]
