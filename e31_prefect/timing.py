@@ -125,8 +125,17 @@ def zone(name: str | None) -> tzinfo:
 
 
 def utc(moment: datetime) -> datetime:
-    """The same instant in UTC, where subtraction counts real seconds."""
-    return moment.astimezone(timezone.utc)
+    """The same instant as a plain UTC datetime, where subtraction counts real seconds.
+
+    Built field by field: datetime subclasses (Prefect's own DateTime among them) may
+    return a naive value from ``astimezone``.
+    """
+    offset = moment.utcoffset()
+    if offset is None:
+        raise ValueError(f"{moment!r} has no time zone")
+    plain = datetime(moment.year, moment.month, moment.day, moment.hour, moment.minute, moment.second,
+                     moment.microsecond)
+    return (plain - offset).replace(tzinfo=timezone.utc)
 
 
 def next_occurrence(at: time, after: datetime, tz: tzinfo, *, inclusive: bool) -> datetime:

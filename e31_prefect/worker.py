@@ -222,7 +222,7 @@ class E31Worker(BaseWorker[E31JobConfiguration, E31Variables, E31WorkerResult]):
 def scheduled_start(flow_run: FlowRun) -> datetime:
     """When Prefect scheduled the run to start (its creation time if it has none)."""
     moment = flow_run.expected_start_time or flow_run.next_scheduled_start_time or flow_run.created
-    return moment or datetime.now(timezone.utc)
+    return timing.utc(moment) if moment else datetime.now(timezone.utc)
 
 
 class JobLife:

@@ -532,3 +532,15 @@ def test_every_moment_returned_is_in_utc(moment, expected):
     result = moment()
     assert result == expected
     assert result.tzinfo is UTC
+
+
+def test_prefect_datetimes_become_plain_aware_utc_instants():
+    """Prefect hands the worker its own DateTime; every moment derived from it stays comparable."""
+    from prefect.types._datetime import DateTime
+
+    scheduled = DateTime(2026, 12, 2, 22, 0, tzinfo=timezone.utc)
+    deadline = timing.resolve_deadline("+2h", scheduled, timezone.utc)
+    latest = timing.latest_start(deadline, timedelta(minutes=5))
+    assert type(deadline) is datetime and deadline.tzinfo is timezone.utc
+    assert latest == datetime(2026, 12, 2, 23, 55, tzinfo=timezone.utc)
+    assert latest < datetime(2026, 12, 3, tzinfo=timezone.utc)
