@@ -85,6 +85,21 @@ def _cross(problems: list[Problem]) -> PydanticCustomError:
     return PydanticCustomError("e31_cross", "{summary}", {"summary": summary, "problems": problems})
 
 
+_MEMORY = re.compile(r"^(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?$", re.IGNORECASE)
+
+
+def parse_memory(value: str | int) -> int:
+    """Bytes in ``512m``, ``16g``, ``2Gi``, ``1.5g`` or a plain number of bytes (at least 6 MiB)."""
+    match = _MEMORY.match(str(value).strip())
+    if not match:
+        raise ValueError("is not a memory size; write bytes or a size such as 512m, 16g or 2Gi")
+    number, unit, _ = match.groups()
+    size = int(float(number) * 1024 ** " kmgt".index(unit.lower() or " "))
+    if size < 6 * 1024 * 1024:
+        raise ValueError("is below the 6 MiB a container needs; write e.g. 512m")
+    return size
+
+
 def check_url(url: str) -> str:
     """Refuse a URL whose scheme no E31 store speaks; plain paths are local files."""
     scheme = urlsplit(url).scheme
@@ -250,6 +265,16 @@ class Request(BaseModel):
         description="Only devices whose name contains this (case-insensitive) are rented.",
         examples=["H100"],
     )
+    cpus: float | None = Field(
+        default=None, gt=0, title="CPUs", description="CPU cores a container may use (docker runtime).",
+        examples=[8],
+    )
+    memory: str | None = Field(
+        default=None,
+        title="Memory",
+        description="Memory limit of a container, no swap (docker runtime): bytes or 512m, 16g, 2Gi.",
+        examples=["16g"],
+    )
     max_duration: Duration | None = Field(
         default=None,
         title="Time limit",
@@ -296,6 +321,19 @@ class Request(BaseModel):
     @classmethod
     def _check_start(cls, value: str | None) -> str | None:
         return None if value is None else timing.check_start(value)
+
+    @field_validator("memory", mode="before")
+    @classmethod
+    def _check_memory(cls, value: Any) -> Any:
+        if value is not None:
+            parse_memory(value)
+            return str(value)
+        return value
+
+    @property
+    def memory_bytes(self) -> int | None:
+        """The memory limit in bytes."""
+        return None if self.memory is None else parse_memory(self.memory)
 
     @field_validator("deadline")
     @classmethod

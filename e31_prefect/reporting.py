@@ -30,6 +30,8 @@ INVALID_JOB = "InvalidJob"
 STAGING_FAILED = "StagingFailed"
 OUTPUT_MISSING = "OutputMissing"
 OUTPUT_NOT_SENT = "OutputNotSent"
+OUT_OF_MEMORY = "OutOfMemory"
+NO_CONTAINER_ENGINE = "NoContainerEngine"
 
 
 def device_resources(devices: Sequence[Device], host: str | None = None) -> list[RelatedResource]:

@@ -28,6 +28,9 @@ class E31Settings(BaseSettings):
         default=10.0,
         description="At the time limit, how long a run has after SIGTERM before SIGKILL.",
     )
+    watch_seconds: float = Field(
+        default=2.0, description="How often a running run's state is read, to stop it when cancelled."
+    )
     keep_workspaces: bool = Field(
         default=False, description="Keep each run's workspace after release (for debugging)."
     )

@@ -6,33 +6,41 @@
 For each flow run of its pool the worker lives the job's life: refuse it if
 its deadline can no longer be met, stage its data (no GPU held yet), rent
 devices, run it with only those devices visible, give the devices back the
-moment it ends, send its outputs, and close the meter.
+moment it ends, send its outputs, and close the meter. A job with an image
+runs in a container (the worker extends prefect-docker's DockerWorker); one
+without runs as a local process.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
 from shutil import move, rmtree
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 from uuid import UUID
 
 import anyio
 import anyio.abc
 from prefect.client.schemas.objects import FlowRun
 from prefect.exceptions import ObjectNotFound
-from prefect.states import Crashed, Scheduled
-from prefect.workers.base import BaseJobConfiguration, BaseVariables, BaseWorker, BaseWorkerResult
+from prefect.settings import PREFECT_API_URL
+from prefect.states import Cancelled, Crashed, Scheduled
+from prefect.workers.base import BaseVariables, BaseWorkerResult
+from prefect_docker.worker import DockerWorker, DockerWorkerJobConfiguration
 from pydantic import Field, PrivateAttr
 
 from e31_prefect import reporting, timing
 from e31_prefect.dirs import DATA_DIR_VARIABLE, OUTPUT_DIR_VARIABLE
 from e31_prefect.inventory import Device, Inventory, discover, pick_devices, visible_devices_env
-from e31_prefect.job import DataInput, Job, JobError, Output, Request, Work
+from e31_prefect.job import JOB_VARIABLE_KEYS, DataInput, Job, JobError, Output, Request, Work
 from e31_prefect.meter import Meter
+from e31_prefect.runtimes import RunOutcome
+from e31_prefect.runtimes import container as containers
 from e31_prefect.runtimes.process import run_process
 from e31_prefect.scheduling import WaitingRun, decide
 from e31_prefect.settings import E31Settings
@@ -62,9 +70,22 @@ class E31Variables(BaseVariables):
                                     description="GPUs, time limit, earliest start, deadline, priority.")
     output: Output | None = Field(default=None, title="Output",
                                   description="Where the output dir is sent and what it must hold.")
+    image_pull_policy: Literal["IfNotPresent", "Always", "IfPossible", "Never"] | None = Field(
+        default=None, title="Image pull policy",
+        description="For jobs with an image: when the worker pulls it (IfNotPresent for tagged images).",
+        examples=["IfNotPresent"])
+    network_mode: str | None = Field(
+        default=None, title="Container network",
+        description="Network mode of job containers; host when the Prefect API is on this host's loopback.",
+        examples=["host"])
+    gpu_device_requests: containers.GpuRequests = Field(
+        default="auto", title="GPU device requests",
+        description="Send containers a device request for their GPUs: auto (when the engine has the NVIDIA "
+        "runtime), on or off. The visible-devices variables are always set.",
+        examples=["auto"])
 
 
-class E31JobConfiguration(BaseJobConfiguration):
+class E31JobConfiguration(DockerWorkerJobConfiguration):
     """One flow run's job as the worker receives it: raw job variables, validated in :meth:`job`."""
 
     team: str | None = Field(default=None)
@@ -73,8 +94,15 @@ class E31JobConfiguration(BaseJobConfiguration):
     data: list[Any] | None = Field(default=None)
     request: dict[str, Any] | None = Field(default=None)
     output: dict[str, Any] | None = Field(default=None)
+    gpu_device_requests: containers.GpuRequests = Field(default="auto")
 
     _job_name: str = PrivateAttr(default="job")
+    _job_folder: Path | None = PrivateAttr(default=None)
+
+    @classmethod
+    def json_template(cls) -> dict[str, Any]:
+        """Template only what the pool's form offers; the rest of a container is the worker's to set."""
+        return {k: v for k, v in super().json_template().items() if k in E31Variables.model_fields}
 
     def prepare_for_flow_run(
         self,
@@ -88,17 +116,28 @@ class E31JobConfiguration(BaseJobConfiguration):
         """Stamp Prefect's environment and labels; the job is named after its deployment."""
         super().prepare_for_flow_run(flow_run, deployment, flow, work_pool, worker_name, worker_id=worker_id)
         self._job_name = deployment.name if deployment else flow_run.name
+        self._job_folder = job_folder(deployment)
 
     def job(self, name: str | None = None) -> Job:
         """The validated job; raises :class:`JobError` naming each bad field."""
-        return Job.from_job_variables(self.model_dump(), name=name or self._job_name)
+        return Job.from_job_variables({k: getattr(self, k) for k in JOB_VARIABLE_KEYS}, name=name or self._job_name)
+
+
+def job_folder(deployment: DeploymentResponse | None) -> Path | None:
+    """The job file's folder on this host, for a deployment made from a job file (its code lives there)."""
+    if deployment is None or not deployment.path:
+        return None
+    steps = deployment.pull_steps or []
+    made_by_e31 = steps == [{"prefect.deployments.steps.set_working_directory": {"directory": deployment.path}}]
+    folder = Path(deployment.path)
+    return folder if made_by_e31 and folder.is_dir() else None
 
 
 class E31WorkerResult(BaseWorkerResult):
     """How a flow run's infrastructure ended."""
 
 
-class E31Worker(BaseWorker[E31JobConfiguration, E31Variables, E31WorkerResult]):
+class E31Worker(DockerWorker):
     """Runs E31 jobs on this host's GPUs: stage, rent, run, output, release, metered."""
 
     type = "e31"
@@ -239,7 +278,7 @@ class JobLife:
             worker.client, flow_run, worker._event_related_resources(configuration=configuration))
         self.meter = worker.meters.setdefault(flow_run.id, Meter())
         self.workspace = worker.settings.workspaces / str(flow_run.id)
-        self.pid: int | None = None
+        self.pid: int | str | None = None
         self.devices: list[Device] = []
         self.outcome: str | None = None
         self.outputs: str | None = None
@@ -295,6 +334,16 @@ class JobLife:
                                f"{self.now().isoformat(timespec='seconds')}. No GPU was rented.")
             return 1
 
+        if job.work.image:
+            try:
+                send_gpus = await anyio.to_thread.run_sync(self._engine_takes_device_requests)
+            except RuntimeError as exc:
+                await self._refuse(reporting.NO_CONTAINER_ENGINE,
+                                   f"The job runs in image {job.work.image!r} but this host's Docker engine "
+                                   f"does not answer ({exc}); run it where Docker runs, or remove work.image "
+                                   "to run it as a local process. No GPU was rented.")
+                return 1
+
         data_dir, output_dir = self.workspace / "data", self.workspace / "output"
         output_dir.mkdir(parents=True, exist_ok=True)
         try:
@@ -316,33 +365,78 @@ class JobLife:
 
         limit = timing.stop_at(self.now(), job.request.time_limit, deadline)
         seconds = None if limit is None else max(0.0, (limit - self.now()).total_seconds())
-        env = self._environment(job, devices, data_dir, output_dir)
+        stop = asyncio.Event()
+        watcher = asyncio.ensure_future(self._watch_for_cancel(stop))
         try:
-            outcome = await run_process(
-                [sys.executable, "-m", "prefect.engine"],
-                env=env, cwd=self.workspace, time_limit=seconds,
-                grace_seconds=self.worker.settings.stop_grace_seconds, on_started=self._on_started,
-            )
+            if job.work.image:
+                configuration = containers.prepare(self.configuration, job, devices, data_dir, output_dir,
+                                                   self.configuration._job_folder, send_gpus)
+                outcome = await containers.run_container(
+                    self.worker, configuration, time_limit=seconds, stop=stop,
+                    grace_seconds=self.worker.settings.stop_grace_seconds, on_started=self._on_started)
+            else:
+                outcome = await run_process(
+                    [sys.executable, "-m", "prefect.engine"],
+                    env=self._environment(job, devices, data_dir, output_dir), cwd=self.workspace,
+                    time_limit=seconds, stop=stop,
+                    grace_seconds=self.worker.settings.stop_grace_seconds, on_started=self._on_started)
         finally:
+            watcher.cancel()
             self.meter.mark("run_ended", self.now())
             self.worker.inventory.give_back(self.flow_run.id)
         self.log.info("Run ended (exit code %s); devices %s back in the pool",
                       outcome.exit_code, [d.index for d in devices] or "none")
+        await self._judge(job, outcome, limit)
+        await self._send_outputs(job, output_dir)
+        return outcome.exit_code
 
+    def _engine_takes_device_requests(self) -> bool:
+        """Reach the Docker engine (RuntimeError if none answers); say whether to send GPU device requests."""
+        client = self.worker._get_client()
+        try:
+            client.ping()
+            choice = self.configuration.gpu_device_requests
+            return choice == "on" or (choice == "auto" and containers.engine_runs_gpus(client))
+        finally:
+            client.close()
+
+    async def _watch_for_cancel(self, stop: asyncio.Event) -> None:
+        # Prefect marks a run Cancelling; whoever runs its infrastructure must stop it.
+        while not stop.is_set():
+            await asyncio.sleep(self.worker.settings.watch_seconds)
+            with contextlib.suppress(Exception):
+                state = (await self.worker.client.read_flow_run(self.flow_run.id)).state
+                if state is not None and state.is_cancelling():
+                    self.log.info("Cancellation requested: stopping the run")
+                    stop.set()
+
+    async def _judge(self, job: Job, outcome: RunOutcome, limit: datetime | None) -> None:
+        """Give the run the final state its ending deserves, where the flow itself could not."""
+        client = self.worker.client
         if outcome.timed_out:
             self.outcome = "timed-out"
-            self.report.step("timed-out", devices, limit=str(limit))
+            self.report.step("timed-out", self.devices, limit=str(limit))
             await self.report.fail(reporting.TIMED_OUT,
                                    f"Timed out: stopped at its time limit {limit.isoformat() if limit else ''} "
                                    f"after {self.meter.run_seconds:.0f} s; outputs written so far were kept.")
-        else:
-            state = (await self.worker.client.read_flow_run(self.flow_run.id)).state
-            if state is None or not state.is_final():
-                await self.worker.client.set_flow_run_state(self.flow_run.id, Crashed(
-                    message=f"The flow run process exited with code {outcome.exit_code} without a final state."),
-                    force=True)
-        await self._send_outputs(job, output_dir)
-        return outcome.exit_code
+            return
+        if outcome.stopped:
+            self.outcome = "cancelled"
+            self.report.step("cancelled", self.devices)
+            await client.set_flow_run_state(self.flow_run.id, Cancelled(
+                message="Cancelled while running: stopped, devices released, outputs so far kept."), force=True)
+            return
+        if outcome.out_of_memory:
+            self.outcome = "out-of-memory"
+            await self.report.fail(reporting.OUT_OF_MEMORY,
+                                   f"Out of memory: the container was killed at its memory limit "
+                                   f"(request.memory = {job.request.memory}); outputs written so far were kept.")
+            return
+        state = (await client.read_flow_run(self.flow_run.id)).state
+        if state is None or not state.is_final():
+            await client.set_flow_run_state(self.flow_run.id, Crashed(
+                message=f"The run's {'container' if job.work.image else 'process'} exited with code "
+                f"{outcome.exit_code} without reporting a final state."), force=True)
 
     def _rent(self, job: Job) -> list[Device] | None:
         inventory = self.worker.inventory
@@ -363,10 +457,10 @@ class JobLife:
             self.flow_run.id, Scheduled(scheduled_time=self.now(), message=message), force=True)
         self._not_started(RuntimeError(message))
 
-    def _on_started(self, pid: int) -> None:
+    def _on_started(self, pid: int | str) -> None:
         self.pid = pid
         self.meter.mark("running", self.now())
-        self.report.step("running", self.devices, pid=pid)
+        self.report.step("running", self.devices, infrastructure=str(pid))
         if not self._started:
             self._started = True
             self.task_status.started(pid)
@@ -374,6 +468,8 @@ class JobLife:
     def _environment(self, job: Job, devices: list[Device], data_dir: Path, output_dir: Path) -> dict[str, str]:
         inherited = {k: v for k, v in os.environ.items() if not k.startswith(_WITHHELD_PREFIXES)}
         prefect_env = {k: v for k, v in self.configuration.env.items() if v is not None}
+        # prefect-docker rewrites a loopback API URL for containers; a local process uses the worker's own.
+        prefect_env["PREFECT_API_URL"] = PREFECT_API_URL.value() or prefect_env.get("PREFECT_API_URL", "")
         return {
             **inherited,
             **prefect_env,

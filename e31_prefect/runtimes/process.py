@@ -12,16 +12,9 @@ import contextlib
 import os
 import signal
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
-
-@dataclass(frozen=True)
-class ProcessOutcome:
-    """How a run's process ended."""
-
-    exit_code: int
-    timed_out: bool
+from e31_prefect.runtimes import RunOutcome
 
 
 async def run_process(
@@ -31,30 +24,32 @@ async def run_process(
     cwd: Path,
     time_limit: float | None,
     grace_seconds: float,
+    stop: asyncio.Event,
     on_started: Callable[[int], None] = lambda pid: None,
-) -> ProcessOutcome:
-    """Run ``command`` until it exits or ``time_limit`` seconds pass, then stop its whole group.
+) -> RunOutcome:
+    """Run ``command`` until it exits, ``time_limit`` seconds pass or ``stop`` is set; then stop its group.
 
     If the caller is cancelled the group is stopped too: no run outlives its worker's watch.
     """
-    process = await asyncio.create_subprocess_exec(
-        *command, env=dict(env), cwd=str(cwd), start_new_session=True
-    )
+    process = await asyncio.create_subprocess_exec(*command, env=dict(env), cwd=str(cwd), start_new_session=True)
     on_started(process.pid)
-    timed_out = False
+    exited = asyncio.ensure_future(process.wait())
+    stopped = asyncio.ensure_future(stop.wait())
     try:
-        await asyncio.wait_for(process.wait(), timeout=time_limit)
-    except asyncio.TimeoutError:
-        timed_out = True
-        await stop_group(process, grace_seconds)
+        await asyncio.wait({exited, stopped}, timeout=time_limit, return_when=asyncio.FIRST_COMPLETED)
+        timed_out = not exited.done() and not stopped.done()
+        if not exited.done():
+            await stop_group(process, grace_seconds)
     except BaseException:
         await asyncio.shield(stop_group(process, grace_seconds))
         raise
     finally:
+        stopped.cancel()
         # Whatever the leader left behind in its group goes with it.
         _signal_group(process.pid, signal.SIGKILL)
-    return ProcessOutcome(exit_code=process.returncode if process.returncode is not None else -9,
-                          timed_out=timed_out)
+    code = process.returncode
+    return RunOutcome(exit_code=code if code is not None else -9, timed_out=timed_out,
+                      stopped=stop.is_set() and not timed_out)
 
 
 async def stop_group(process: asyncio.subprocess.Process, grace_seconds: float) -> None:
