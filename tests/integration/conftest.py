@@ -95,3 +95,29 @@ def s3_server() -> Iterator[dict[str, str]]:
         "AWS_DEFAULT_REGION": "us-east-1",
     }
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def job_image() -> str:
+    """A local image with Python, Prefect and e31-prefect, on a Docker engine that answers.
+
+    Skipped (with the reason) where no engine answers, unless E31_REQUIRE_DOCKER=1, as in CI,
+    where a missing engine fails the tests instead.
+    """
+    probe = subprocess.run(["docker", "info"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        reason = f"no Docker engine answers (DOCKER_HOST={os.environ.get('DOCKER_HOST', 'unset')})"
+        if os.environ.get("E31_REQUIRE_DOCKER") == "1":
+            pytest.fail(reason + "; E31_REQUIRE_DOCKER=1 makes the Docker tests required")
+        pytest.skip(reason + "; start one with `eval \"$(scripts/docker-engine.sh)\"`")
+    built = subprocess.run([str(REPO / "scripts" / "e31-image.sh")], capture_output=True, text=True)
+    if built.returncode != 0:
+        pytest.fail(f"building the job image failed:\n{built.stderr[-3000:]}")
+    return built.stdout.strip().splitlines()[-1]
+
+
+def containers_labelled(job_name: str) -> list[str]:
+    """Ids of containers (running or not) that e31 labelled with this job's name."""
+    listed = subprocess.run(["docker", "ps", "-aq", "--filter", f"label=e31.job={job_name}"],
+                            capture_output=True, text=True, check=True)
+    return listed.stdout.split()

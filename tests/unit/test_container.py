@@ -1,0 +1,70 @@
+"""What the docker runtime asks of the engine for a job: the container a user's job would get.
+
+No engine is needed: these check the request that would be sent (a GPU cannot exist here).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prefect_docker.worker import DockerWorkerJobConfiguration
+
+from e31_prefect.inventory import Device
+from e31_prefect.job import parse_job
+from e31_prefect.runtimes import container
+
+H100S = [Device(1, "NVIDIA H100 80GB HBM3"), Device(2, "NVIDIA H100 80GB HBM3")]
+
+
+def job(**request):
+    return parse_job({"name": "train", "work": {"flow": "f.py:f", "image": "acme/trainer:1", "env": {"SEED": "7"}},
+                      "request": {"max_duration": "1h", **request}})
+
+
+def test_device_request_names_exactly_the_rented_gpus():
+    [request] = container.device_requests(H100S, send=True)
+    assert request["DeviceIDs"] == ["1", "2"]
+    assert request["Capabilities"] == [["gpu"]]
+    assert request["Count"] == 0  # the ids, not "any two"
+
+
+def test_no_device_request_without_gpus_or_when_the_engine_cannot_honour_it():
+    assert container.device_requests([], send=True) == []
+    assert container.device_requests(H100S, send=False) == []
+
+
+def test_isolation_drops_every_privilege_and_applies_the_request():
+    options = container.isolation(job(gpus=2, cpus=2.5, memory="2g"), H100S, send_device_requests=True)
+    assert options["cap_drop"] == ["ALL"]
+    assert options["security_opt"] == ["no-new-privileges"]
+    assert options["pids_limit"] == container.DEFAULT_PIDS_LIMIT
+    assert options["nano_cpus"] == 2_500_000_000
+    assert [r["DeviceIDs"] for r in options["device_requests"]] == [["1", "2"]]
+    assert "device_requests" not in container.isolation(job(), [], send_device_requests=True)
+
+
+def test_prepared_container_mounts_data_read_only_and_hides_host_environment(tmp_path: Path):
+    base = DockerWorkerJobConfiguration(image="ignored", env={"PREFECT_API_URL": "http://127.0.0.1:4200/api",
+                                                              "PREFECT__FLOW_RUN_ID": "abc", "UNSET": None})
+    prepared = container.prepare(base, job(gpus=2, memory="512m"), H100S, tmp_path / "data", tmp_path / "out",
+                                 tmp_path, send_device_requests=False)
+    assert prepared.image == "acme/trainer:1"
+    assert prepared.privileged is False and prepared.auto_remove is False
+    assert prepared.volumes == [f"{tmp_path / 'data'}:/e31/data:ro", f"{tmp_path / 'out'}:/e31/output:rw",
+                                f"{tmp_path}:{tmp_path}:ro"]
+    assert prepared.env == {
+        "PREFECT_API_URL": "http://127.0.0.1:4200/api", "PREFECT__FLOW_RUN_ID": "abc", "SEED": "7",
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "1,2", "NVIDIA_VISIBLE_DEVICES": "1,2",
+        "E31_DATA_DIR": "/e31/data", "E31_OUTPUT_DIR": "/e31/output",
+    }
+    assert prepared.mem_limit == prepared.memswap_limit == str(512 * 1024 * 1024)
+    assert prepared.labels["e31.job"] == "train"
+    assert prepared.container_create_kwargs["working_dir"] == str(tmp_path)
+    assert "device_requests" not in prepared.container_create_kwargs
+    assert base.image == "ignored"  # the run's own configuration is left as it was
+
+
+def test_a_deployment_built_with_its_code_inside_gets_no_job_folder_mount(tmp_path: Path):
+    prepared = container.prepare(DockerWorkerJobConfiguration(image="x"), job(), [], tmp_path / "d", tmp_path / "o",
+                                 None, send_device_requests=False)
+    assert len(prepared.volumes) == 2 and "working_dir" not in prepared.container_create_kwargs
