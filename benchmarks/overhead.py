@@ -1,12 +1,19 @@
-"""Submit-to-Completed of a no-op flow: the e31 worker against Prefect's own process worker.
+"""Submit-to-Completed of a no-op flow: e31's runtimes against Prefect's own workers.
 
-    python benchmarks/overhead.py [--runs 20]
+    python benchmarks/overhead.py [--runs 20] [--docker]
 
-Both workers poll one Prefect server (started here unless PREFECT_API_URL is
-set) every second; runs alternate between them so machine noise falls on
-both. Times come from the server's own timestamps: flow run created ->
-Completed state. For e31 it also reports created -> meter closed (tags set),
-which includes the output and release steps that follow Completed.
+Pairs, each in the same run on one Prefect server (started here unless
+PREFECT_API_URL is set), both workers polling every second, runs alternating
+so machine noise falls on both:
+
+- process: the e31 worker's process runtime vs Prefect's process worker;
+- docker (--docker, needs an engine: eval "$(scripts/docker-engine.sh)"): the e31
+  worker's docker runtime vs prefect-docker's DockerWorker, same image.
+
+Times come from the server's timestamps: flow run created -> Completed state.
+For e31 it also reports created -> meter closed (tags set), which includes the
+output and release steps that follow Completed. With --docker it also measures
+how long after its time limit a sleeping job's container is gone.
 """
 
 from __future__ import annotations
@@ -59,7 +66,7 @@ def start_server(home: Path) -> tuple[subprocess.Popen | None, str]:
     raise SystemExit("the Prefect server did not start")
 
 
-def deploy(client, folder: Path, pool: str, kind: str, job_variables: dict) -> object:
+def deploy(client, folder: Path, pool: str, kind: str, job_variables: dict, name: str) -> object:
     from prefect.client.schemas.actions import WorkPoolCreate
     from prefect.workers.base import BaseWorker
 
@@ -69,7 +76,7 @@ def deploy(client, folder: Path, pool: str, kind: str, job_variables: dict) -> o
                             overwrite=True)
     flow_id = client.create_flow_from_name("noop")
     return client.create_deployment(
-        flow_id=flow_id, name=f"noop-{kind}", work_pool_name=pool, entrypoint="noop.py:noop",
+        flow_id=flow_id, name=name, work_pool_name=pool, entrypoint="noop.py:noop",
         path=str(folder),
         pull_steps=[{"prefect.deployments.steps.set_working_directory": {"directory": str(folder)}}],
         job_variables=job_variables,
@@ -94,9 +101,58 @@ def measure(client, deployment_id, metered: bool) -> tuple[float, float]:
     raise SystemExit(f"run {run.id} did not finish")
 
 
+SLEEPER = '''
+import time
+from prefect import flow
+
+
+@flow
+def sleeper():
+    time.sleep(600)
+'''
+
+
+def limit_to_gone(client, deployment_id, job_name: str, max_duration: float) -> float:
+    """Seconds from a run's time limit (rent + max_duration, from its meter) to its container being gone."""
+    import json
+
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    run = client.create_flow_run_from_deployment(deployment_id)
+    seen, gone_at = False, None
+    for _ in range(6000):  # at most ~5 minutes
+        listed = subprocess.run(["docker", "ps", "-aq", "--filter", f"label=e31.job={job_name}"],
+                                capture_output=True, text=True).stdout.split()
+        if listed:
+            seen = True
+        elif seen:
+            gone_at = time.time()
+            break
+        time.sleep(0.05)
+    if gone_at is None:
+        raise SystemExit(f"the container of run {run.id} never came and went")
+    for _ in range(200):
+        rows = [a for a in client.read_artifacts(artifact_filter=ArtifactFilter(
+            flow_run_id=ArtifactFilterFlowRunId(any_=[run.id]))) if a.key and a.key.startswith("e31-meter")]
+        if rows:
+            break
+        time.sleep(0.1)
+    from datetime import datetime
+
+    rented = next(r["at"] for r in json.loads(rows[0].data) if r["step"] == "rented")
+    return gone_at - (datetime.fromisoformat(rented).timestamp() + max_duration)
+
+
+def image_tag() -> str:
+    built = subprocess.run([str(Path(__file__).resolve().parents[1] / "scripts" / "e31-image.sh")],
+                           capture_output=True, text=True, check=True)
+    return built.stdout.strip().splitlines()[-1]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--docker", action="store_true", help="also the docker pair (needs a Docker engine)")
     args = parser.parse_args()
     home = Path(tempfile.mkdtemp(prefix="e31-bench-"))
     os.environ.setdefault("E31_HOME", str(home / "e31"))
@@ -109,40 +165,61 @@ def main() -> None:
         from prefect import get_client
 
         with get_client(sync_client=True) as client:
-            deployments = {
-                "process": deploy(client, folder, "bench-process", "process", {}),
-                "e31": deploy(client, folder, "bench-e31", "e31",
-                              {"request": {"gpus": 0, "max_duration": "5m"}}),
-            }
+            request = {"gpus": 0, "max_duration": "5m"}
+            # (label, pool type, job variables); pairs are compared within one run.
+            contenders = [("process", "process", {}), ("e31 process", "e31", {"request": request})]
+            if args.docker:
+                image = image_tag()
+                contenders += [
+                    ("docker", "docker", {"image": image, "image_pull_policy": "Never", "network_mode": "host",
+                                          "volumes": [f"{folder}:{folder}:ro"]}),
+                    ("e31 docker", "e31", {"request": request, "work": {"image": image}}),
+                ]
+            deployments = {}
             env = {**os.environ, "PREFECT_WORKER_QUERY_SECONDS": "1", "PREFECT_WORKER_PREFETCH_SECONDS": "10"}
-            for kind in deployments:
+            for label, kind, variables in contenders:
+                pool = "bench-" + label.replace(" ", "-")
+                deployments[label] = deploy(client, folder, pool, kind, variables, name=pool)
                 workers.append(subprocess.Popen(
-                    [sys.executable, "-m", "prefect", "worker", "start", "--pool", f"bench-{kind}", "--type", kind],
+                    [sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, "--type", kind],
                     env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True))
             time.sleep(8)
-            for kind, deployment_id in deployments.items():  # warm-up, not counted
-                measure(client, deployment_id, kind == "e31")
-            completed: dict[str, list[float]] = {"process": [], "e31": []}
-            closed: list[float] = []
+            for label, deployment_id in deployments.items():  # warm-up, not counted
+                measure(client, deployment_id, label.startswith("e31"))
+            completed: dict[str, list[float]] = {label: [] for label in deployments}
+            closed: dict[str, list[float]] = {label: [] for label in deployments}
             for _ in range(args.runs):
-                for kind, deployment_id in deployments.items():
-                    to_completed, to_closed = measure(client, deployment_id, kind == "e31")
-                    completed[kind].append(to_completed)
-                    if kind == "e31":
-                        closed.append(to_closed)
+                for label, deployment_id in deployments.items():
+                    to_completed, to_closed = measure(client, deployment_id, label.startswith("e31"))
+                    completed[label].append(to_completed)
+                    closed[label].append(to_closed)
+            gone = []
+            if args.docker:
+                (folder / "sleeper.py").write_text(SLEEPER)
+                flow_id = client.create_flow_from_name("sleeper")
+                sleeper = client.create_deployment(
+                    flow_id=flow_id, name="limit", work_pool_name="bench-e31-docker", entrypoint="sleeper.py:sleeper",
+                    path=str(folder),
+                    pull_steps=[{"prefect.deployments.steps.set_working_directory": {"directory": str(folder)}}],
+                    job_variables={"request": {"gpus": 0, "max_duration": "6s"}, "work": {"image": image}})
+                gone = [limit_to_gone(client, sleeper, "limit", 6.0) for _ in range(3)]
     finally:
         for worker in workers:
             os.killpg(worker.pid, 15)
         if server:
             os.killpg(server.pid, 15)
 
-    process_median = statistics.median(completed["process"])
-    e31_median = statistics.median(completed["e31"])
-    print(f"runs per worker:                        {args.runs} (server {url}, workers poll every 1 s)")
-    print(f"process worker, created -> Completed:   median {process_median:.3f} s")
-    print(f"e31 worker, created -> Completed:       median {e31_median:.3f} s")
-    print(f"e31 worker, created -> meter closed:    median {statistics.median(closed):.3f} s")
-    print(f"ratio e31 / process (Completed):        {e31_median / process_median:.3f}  (goal <= 1.10)")
+    print(f"runs per worker: {args.runs} (server {url}, workers poll every 1 s); medians:")
+    for label in deployments:
+        extra = f"   (meter closed: {statistics.median(closed[label]):.3f} s)" if label.startswith("e31") else ""
+        print(f"  {label:<12} created -> Completed  {statistics.median(completed[label]):.3f} s{extra}")
+    for baseline in ("process", "docker"):
+        if baseline in completed:
+            ratio = statistics.median(completed[f"e31 {baseline}"]) / statistics.median(completed[baseline])
+            print(f"ratio e31 {baseline} / {baseline} worker: {ratio:.3f}  (goal <= 1.10)")
+    if gone:
+        print(f"time limit -> container gone (e31 docker, {len(gone)} runs): median {statistics.median(gone):.3f} s, "
+              f"max {max(gone):.3f} s  (goal <= 2 s)")
 
 
 if __name__ == "__main__":
