@@ -32,6 +32,8 @@ OUTPUT_MISSING = "OutputMissing"
 OUTPUT_NOT_SENT = "OutputNotSent"
 OUT_OF_MEMORY = "OutOfMemory"
 NO_CONTAINER_ENGINE = "NoContainerEngine"
+CONTAINER_DIED = "ContainerDied"
+PROCESS_DIED = "ProcessDied"
 
 
 def device_resources(devices: Sequence[Device], host: str | None = None) -> list[RelatedResource]:

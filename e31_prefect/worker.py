@@ -434,9 +434,11 @@ class JobLife:
             return
         state = (await client.read_flow_run(self.flow_run.id)).state
         if state is None or not state.is_final():
-            await client.set_flow_run_state(self.flow_run.id, Crashed(
-                message=f"The run's {'container' if job.work.image else 'process'} exited with code "
-                f"{outcome.exit_code} without reporting a final state."), force=True)
+            runtime = "container" if job.work.image else "process"
+            self.outcome = "died"
+            await self.report.fail(reporting.CONTAINER_DIED if job.work.image else reporting.PROCESS_DIED,
+                                   f"The run's {runtime} died with exit code {outcome.exit_code} before the flow "
+                                   "reported a final state; outputs written so far were kept.")
 
     def _rent(self, job: Job) -> list[Device] | None:
         inventory = self.worker.inventory

@@ -120,7 +120,8 @@ def test_time_limit_stops_the_container_and_frees_its_devices(prefect_server, jo
     assert run.state.name == "TimedOut"
     assert (tmp_path / "slow" / "out" / "started.txt").read_text() == "yes"
     assert containers_labelled("slow-container") == []
-    assert "e31:timed-out" in run.tags and "Run ended" in result.stdout + result.stderr
+    assert "e31:timed-out" in run.tags
+    assert "devices [0] back in the pool" in result.stdout + result.stderr
 
 
 def test_cancelling_a_running_container_stops_it_and_closes_the_meter(prefect_server, job_image, tmp_path, pool):
@@ -169,6 +170,30 @@ def test_container_killed_at_its_memory_limit_fails_out_of_memory(prefect_server
     assert run.state.is_failed() and run.state.name == "OutOfMemory", run.state
     assert "300m" in run.state.message
     assert containers_labelled("memory-hog") == []
+
+
+DIES = """
+import os
+from prefect import flow
+from e31_prefect import output_dir
+
+@flow
+def probe():
+    (output_dir() / "last-words.txt").write_text("written before dying")
+    os._exit(3)  # the process dies without the flow reporting a state
+"""
+
+
+def test_container_that_dies_fails_with_its_exit_code_and_keeps_its_outputs(prefect_server, job_image, tmp_path, pool):
+    job = image_job(tmp_path / "dies", "dies-young", job_image, flow=DIES, request="{gpus: 1, max_duration: 5m}")
+    result = cli("e31", "run", str(job), "--pool", pool, gpus="1xH100")
+    assert result.returncode != 0
+    run = read_run(flow_run_id(result.stdout))
+    assert run.state.is_failed() and run.state.name == "ContainerDied", run.state
+    assert "exit code 3" in run.state.message
+    assert (tmp_path / "dies" / "out" / "last-words.txt").read_text() == "written before dying"
+    assert containers_labelled("dies-young") == []
+    assert "devices [0] back in the pool" in result.stdout + result.stderr
 
 
 def test_image_job_without_an_engine_fails_before_renting(prefect_server, tmp_path, pool):

@@ -7,6 +7,9 @@ the outputs, the flow run's tags, artifacts and events.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import textwrap
 import time
 from pathlib import Path
@@ -347,3 +350,40 @@ def test_bad_job_file_exits_2_with_one_line_per_problem_and_no_traceback(prefect
         assert any(line.startswith("request.max_duration = '2hours'") and "90m" in line for line in lines)
         assert any(line.startswith("request.deadlin") and "did you mean deadline?" in line for line in lines)
         assert any(line.startswith("work =") and "not both" in line for line in lines)
+
+
+def test_cancelling_a_running_process_stops_its_group_and_closes_the_meter(prefect_server, tmp_path, pool):
+    job = write_job(tmp_path / "cancel", """
+        name: cancel-process
+        work: {flow: flow.py:slow}
+        request: {gpus: 1, max_duration: 10m}
+        output: {to: ./out/}
+        """, flow="""
+        import time
+        from prefect import flow
+        from e31_prefect import output_dir
+
+        @flow
+        def slow():
+            (output_dir() / "started.txt").write_text("yes")
+            time.sleep(600)
+        """)
+    submitted = cli("e31", "submit", str(job), "--pool", pool)
+    run_id = flow_run_id(submitted.stdout)
+    worker = subprocess.Popen(
+        [str(Path(sys.executable).parent / "prefect"), "worker", "start", "--pool", pool, "--type", "e31",
+         "--run-once"], env={**os.environ, "E31_GPUS": "1xH100", "E31_WATCH_SECONDS": "0.5"},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not read_run(run_id).state.is_running() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        cancelled = cli("prefect", "flow-run", "cancel", str(run_id))
+        assert cancelled.returncode == 0, cancelled.stdout + cancelled.stderr
+        output, _ = worker.communicate(timeout=120)
+    finally:
+        worker.kill()
+    run = read_run(run_id)
+    assert run.state.is_cancelled(), (run.state, output[-3000:])
+    assert "e31:cancelled" in run.tags
+    assert (tmp_path / "cancel" / "out" / "started.txt").exists()
