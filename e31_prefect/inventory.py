@@ -130,6 +130,11 @@ class Inventory:
                 del self._holder[device]
             return freed
 
+    def holders(self) -> dict[Device, UUID]:
+        """Each held device and the run holding it."""
+        with self._lock:
+            return dict(self._holder)
+
     def held_by(self, flow_run_id: UUID) -> list[Device]:
         """The devices the run holds now."""
         with self._lock:

@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import os
 import sys
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from shutil import move, rmtree
 from types import SimpleNamespace
@@ -42,7 +42,7 @@ from e31_prefect.meter import Meter
 from e31_prefect.runtimes import RunOutcome
 from e31_prefect.runtimes import container as containers
 from e31_prefect.runtimes.process import run_process
-from e31_prefect.scheduling import WaitingRun, decide
+from e31_prefect.scheduling import Busy, WaitingRun, decide
 from e31_prefect.settings import E31Settings
 from e31_prefect.staging import StagingError, UploadError, make_writable, missing_outputs, stage_inputs, upload_outputs
 
@@ -154,6 +154,8 @@ class E31Worker(DockerWorker):
         self.inventory = Inventory(discover(self.settings.gpus))
         self.meters: dict[UUID, Meter] = {}
         self._living: set[UUID] = set()
+        # When each run holding devices here must have let them go (its time limit), for backfill.
+        self.holds_until: dict[UUID, datetime] = {}
         # `e31 run` drives a worker for its own run only; `prefect worker start` takes the whole pool.
         self._only_flow_run_ids = only_flow_run_ids
 
@@ -172,13 +174,17 @@ class E31Worker(DockerWorker):
         by_id = {r.flow_run.id: r for r in responses}
         waiting = await self._waiting_runs([r.flow_run for r in responses])
         now = datetime.now(timezone.utc)
-        decision = decide([run for run, _ in waiting.values()], self.inventory.free(), now)
+        busy = [Busy(device, self.holds_until.get(holder, now + timedelta(days=3650)))
+                for device, holder in self.inventory.holders().items()]
+        decision = decide([run for run, _ in waiting.values()], self.inventory.free(), now, busy)
         for run in decision.missed:
             await self._refuse_missed(by_id[run.id].flow_run, waiting[run.id][1], run.latest_start, now)
         chosen: list[WorkerFlowRunResponse] = []
         for run, devices in decision.start:
             if self.inventory.hold(run.id, devices):
                 chosen.append(by_id[run.id])
+                if run.duration is not None:
+                    self.holds_until[run.id] = now + run.duration
         return await self._submit_scheduled_flow_runs(flow_run_response=chosen)
 
     async def _waiting_runs(self, flow_runs: list[FlowRun]) -> dict[UUID, tuple[WaitingRun, str]]:
@@ -215,6 +221,7 @@ class E31Worker(DockerWorker):
             scheduled=scheduled,
             latest_start=timing.latest_start(deadline, job.request.admission_duration),
             priority=job.request.priority,
+            duration=job.request.time_limit or job.request.expected_duration,
         )
 
     async def _refuse_missed(self, flow_run: FlowRun, job_name: str, latest: datetime | None, now: datetime) -> None:
@@ -237,8 +244,13 @@ class E31Worker(DockerWorker):
     def _release_limit_slot(self, flow_run_id: UUID) -> None:
         # Called by Prefect whenever a run stops occupying this worker, including a submission
         # another worker won: the devices reserved for it go back too.
-        self.inventory.give_back(flow_run_id)
+        self.return_devices(flow_run_id)
         super()._release_limit_slot(flow_run_id)
+
+    def return_devices(self, flow_run_id: UUID) -> None:
+        """The run's devices go back to this host's pool (idempotent)."""
+        self.inventory.give_back(flow_run_id)
+        self.holds_until.pop(flow_run_id, None)
 
     # -- living one job ---------------------------------------------------------------------------
 
@@ -308,7 +320,7 @@ class JobLife:
             self._not_started(exc)
         finally:
             # Whatever happened, and even while the worker is being stopped, nothing stays held.
-            self.worker.inventory.give_back(self.flow_run.id)
+            self.worker.return_devices(self.flow_run.id)
             with anyio.CancelScope(shield=True):
                 await self._release()
         return exit_code
@@ -364,6 +376,8 @@ class JobLife:
         self.report.step("rented", devices, gpus=len(devices), devices=[d.index for d in devices])
 
         limit = timing.stop_at(self.now(), job.request.time_limit, deadline)
+        if limit is not None:
+            self.worker.holds_until[self.flow_run.id] = limit
         seconds = None if limit is None else max(0.0, (limit - self.now()).total_seconds())
         stop = asyncio.Event()
         watcher = asyncio.ensure_future(self._watch_for_cancel(stop))
@@ -383,7 +397,7 @@ class JobLife:
         finally:
             watcher.cancel()
             self.meter.mark("run_ended", self.now())
-            self.worker.inventory.give_back(self.flow_run.id)
+            self.worker.return_devices(self.flow_run.id)
         self.log.info("Run ended (exit code %s); devices %s back in the pool",
                       outcome.exit_code, [d.index for d in devices] or "none")
         await self._judge(job, outcome, limit)

@@ -280,3 +280,72 @@ def test_randomized_decisions_keep_their_promises(seed: int):
         # Started runs come in order of urgency.
         keys = [urgency(r) for r, _ in decision.start]
         assert keys == sorted(keys)
+
+
+# -- backfill and the simulator ---------------------------------------------------------------
+
+from datetime import timedelta as _td  # noqa: E402
+
+from e31_prefect.scheduling import Busy, TraceJob, simulate  # noqa: E402
+
+_NOW = datetime(2026, 12, 2, 22, 0, tzinfo=timezone.utc)
+_FOUR = [Device(i, "H100") for i in range(4)]
+
+
+def _run(run_id, gpus, minutes, latest_in=None, priority=0, scheduled_ago=0):
+    return WaitingRun(run_id, gpus, None, _NOW - _td(minutes=scheduled_ago),
+                      latest_start=None if latest_in is None else _NOW + _td(minutes=latest_in),
+                      priority=priority, duration=_td(minutes=minutes))
+
+
+def test_a_small_run_backfills_only_where_it_does_not_delay_the_big_one():
+    busy = [Busy(_FOUR[0], _NOW + _td(minutes=60)), Busy(_FOUR[1], _NOW + _td(minutes=60))]
+    big = _run("big", 4, 60, latest_in=120)
+    short = _run("short", 1, 30, latest_in=600)
+    long = _run("long", 1, 120, latest_in=600)
+    decision = decide([long, short, big], _FOUR[2:], _NOW, busy)
+    assert [(r.id, [d.index for d in ds]) for r, ds in decision.start] == [("short", [2])]
+    # The big run is promised 23:00; the long one goes after it, not before it.
+    assert decision.reserved == {"big": _NOW + _td(minutes=60), "long": _NOW + _td(minutes=120)}
+
+
+def test_without_backfill_the_long_small_run_would_take_a_device_the_big_one_needs():
+    busy = [Busy(_FOUR[0], _NOW + _td(minutes=60)), Busy(_FOUR[1], _NOW + _td(minutes=60))]
+    runs = [_run("big", 4, 60, latest_in=120), _run("short", 1, 30, latest_in=600), _run("long", 1, 120, latest_in=600)]
+    started = {r.id for r, _ in decide(runs, _FOUR[2:], _NOW, busy, backfill=False).start}
+    assert started == {"short", "long"}
+
+
+def test_reservations_stop_at_the_depth_and_later_runs_first_fit():
+    busy = [Busy(d, _NOW + _td(minutes=60)) for d in _FOUR[:2]]
+    runs = [_run("big", 4, 60, latest_in=120), _run("long", 1, 120, latest_in=600)]
+    decision = decide(runs, _FOUR[2:], _NOW, busy, reservation_depth=0)
+    assert [r.id for r, _ in decision.start] == ["long"] and decision.reserved == {}
+
+
+def test_an_eight_gpu_job_is_not_starved_by_a_stream_of_one_gpu_jobs():
+    # A 1-GPU job arrives every 6 minutes and runs 50: about eight at a time, all day long.
+    trace = [TraceJob(i, _NOW + _td(minutes=6 * (i - 1)), 1, _td(minutes=50)) for i in range(1, 200)]
+    trace.append(TraceJob(0, _NOW + _td(minutes=30), 8, _td(hours=1), deadline=_NOW + _td(hours=3)))
+    fifo, e31 = simulate(trace, "fifo", gpus=8), simulate(trace, "e31", gpus=8)
+    assert fifo.deadlines_met == 0  # first fit keeps giving freed GPUs to the small jobs
+    assert e31.deadlines_met == 1  # the reservation holds them for the big one
+
+
+def test_least_slack_first_meets_a_deadline_fifo_misses():
+    trace = [TraceJob(0, _NOW, 2, _td(hours=1)),
+             TraceJob(1, _NOW, 2, _td(hours=1), deadline=_NOW + _td(minutes=65))]
+    fifo, e31 = simulate(trace, "fifo", gpus=2), simulate(trace, "e31", gpus=2)
+    assert (fifo.deadlines_met, e31.deadlines_met) == (0, 1)
+    assert fifo.percent_met == 0.0 and e31.percent_met == 100.0
+    assert fifo.utilisation == e31.utilisation == 1.0
+    assert e31.mean_wait == fifo.mean_wait == _td(minutes=30)
+
+
+def test_e31_refuses_a_run_that_can_no_longer_make_it_and_fifo_runs_it_late():
+    trace = [TraceJob(0, _NOW, 1, _td(hours=2)),
+             TraceJob(1, _NOW + _td(minutes=1), 1, _td(hours=1), deadline=_NOW + _td(minutes=90))]
+    e31, fifo = simulate(trace, "e31", gpus=1), simulate(trace, "fifo", gpus=1)
+    assert e31.refused == 1 and e31.deadlines_met == 0
+    assert fifo.refused == 0 and fifo.deadlines_met == 0
+    assert e31.utilisation > fifo.utilisation * 0.99  # the doomed hour is not spent
