@@ -38,7 +38,9 @@ from e31_prefect import reporting, timing
 from e31_prefect.dirs import DATA_DIR_VARIABLE, OUTPUT_DIR_VARIABLE
 from e31_prefect.inventory import Device, Inventory, discover, pick_devices, visible_devices_env
 from e31_prefect.job import JOB_VARIABLE_KEYS, DataInput, Job, JobError, Output, Request, Work
+from e31_prefect.ledger import Holding, Ledger, this_process
 from e31_prefect.meter import Meter
+from e31_prefect.recovery import recover
 from e31_prefect.runtimes import RunOutcome
 from e31_prefect.runtimes import container as containers
 from e31_prefect.runtimes.process import run_process
@@ -153,11 +155,20 @@ class E31Worker(DockerWorker):
         self.settings = settings or E31Settings()
         self.inventory = Inventory(discover(self.settings.gpus))
         self.meters: dict[UUID, Meter] = {}
+        self.ledger = Ledger(self.settings.home.expanduser() / "ledger")
         self._living: set[UUID] = set()
         # When each run holding devices here must have let them go (its time limit), for backfill.
         self.holds_until: dict[UUID, datetime] = {}
         # `e31 run` drives a worker for its own run only; `prefect worker start` takes the whole pool.
         self._only_flow_run_ids = only_flow_run_ids
+
+    async def setup(self) -> None:
+        """Connect, then clean up after any e31 worker on this host that was killed."""
+        await super().setup()
+        recovered = await recover(self.client, self.ledger, self.settings.spool)
+        if recovered:
+            self._logger.warning("Recovered %d run(s) left by a dead worker: %s", len(recovered),
+                                 ", ".join(map(str, recovered)))
 
     # -- choosing runs ----------------------------------------------------------------------------
 
@@ -295,6 +306,7 @@ class JobLife:
         self.outcome: str | None = None
         self.outputs: str | None = None
         self.job_name = configuration._job_name
+        self.holding: Holding | None = None
         self.handed_back = False
         self._started = False
 
@@ -378,6 +390,13 @@ class JobLife:
         limit = timing.stop_at(self.now(), job.request.time_limit, deadline)
         if limit is not None:
             self.worker.holds_until[self.flow_run.id] = limit
+        worker_pid, worker_started = this_process()
+        self.holding = Holding(
+            flow_run_id=str(self.flow_run.id), worker_pid=worker_pid, worker_started=worker_started,
+            job_name=job.name, devices=[d.index for d in devices], workspace=str(self.workspace),
+            destination=self._destination(job), runtime="docker" if job.work.image else "process",
+            gpus=len(devices), team=job.team)
+        self._record()
         seconds = None if limit is None else max(0.0, (limit - self.now()).total_seconds())
         stop = asyncio.Event()
         watcher = asyncio.ensure_future(self._watch_for_cancel(stop))
@@ -414,10 +433,20 @@ class JobLife:
         finally:
             client.close()
 
+    def _record(self) -> None:
+        """Write this run's ledger entry with the meter so far and a fresh heartbeat."""
+        if self.holding is None:
+            return
+        self.holding.marks = {step: at.isoformat() for step, at in self.meter.marks.items()}
+        self.holding.heartbeat = self.now().isoformat()
+        self.worker.ledger.record(self.holding)
+
     async def _watch_for_cancel(self, stop: asyncio.Event) -> None:
         # Prefect marks a run Cancelling; whoever runs its infrastructure must stop it.
+        # The same beat keeps the ledger's heartbeat fresh, for recovery should this worker die.
         while not stop.is_set():
             await asyncio.sleep(self.worker.settings.watch_seconds)
+            self._record()
             with contextlib.suppress(Exception):
                 state = (await self.worker.client.read_flow_run(self.flow_run.id)).state
                 if state is not None and state.is_cancelling():
@@ -476,6 +505,9 @@ class JobLife:
     def _on_started(self, pid: int | str) -> None:
         self.pid = pid
         self.meter.mark("running", self.now())
+        if self.holding is not None:
+            self.holding.infrastructure = str(pid)
+            self._record()
         self.report.step("running", self.devices, infrastructure=str(pid))
         if not self._started:
             self._started = True
@@ -546,6 +578,7 @@ class JobLife:
             self.log.exception("Recording the meter of this run failed")
         self.report.step("released", self.devices, billed_seconds=round(self.meter.billed_seconds, 3),
                          billed_gpu_seconds=round(self.meter.billed_gpu_seconds, 3), gpus=self.meter.gpus)
+        self.worker.ledger.forget(str(self.flow_run.id))
         if not self.worker.settings.keep_workspaces and self.workspace.exists():
             make_writable(self.workspace)
             rmtree(self.workspace, ignore_errors=True)
