@@ -49,6 +49,14 @@ def _parser() -> argparse.ArgumentParser:
     validate.add_argument("--now", action="store_true", help="plan as if started now, ignoring start")
     validate.set_defaults(handler=_validate)
 
+    quota = commands.add_parser("quota", help="GPUs a team (or with --pool, a pool) may hold at once")
+    quota_actions = quota.add_subparsers(required=True, metavar="ACTION")
+    quota_set = quota_actions.add_parser("set", help="set a quota: e31 quota set vision 8")
+    quota_set.add_argument("name", help="the team (or the pool, with --pool)")
+    quota_set.add_argument("gpus", type=int)
+    quota_set.add_argument("--pool", action="store_true", help="NAME is a work pool: set its capacity")
+    quota_set.set_defaults(handler=_quota_set)
+
     server = commands.add_parser("server", help="the local Prefect server the CLI starts")
     server.add_argument("action", choices=["stop"])
     server.set_defaults(handler=_server)
@@ -87,6 +95,27 @@ def _validate(args: argparse.Namespace) -> int:
         print(f"# deadline:       {the_plan.deadline.astimezone(job.tz).isoformat(timespec='minutes')}")
         assert the_plan.latest_start is not None
         print(f"# latest start:   {the_plan.latest_start.astimezone(job.tz).isoformat(timespec='minutes')}")
+    return 0
+
+
+def _quota_set(args: argparse.Namespace) -> int:
+    from prefect import get_client
+
+    from e31_prefect import quotas
+
+    if args.gpus < 1:
+        print(f"quota {args.name}: {args.gpus} is not a number of GPUs; give 1 or more", file=sys.stderr)
+        return EXIT_INVALID
+    name = quotas.pool_limit(args.name) if args.pool else quotas.team_limit(args.name)
+    _connect()
+
+    async def apply() -> None:
+        async with get_client() as client:
+            await quotas.set_quota(client, name, args.gpus)
+
+    asyncio.run(apply())
+    print(f"{'Pool' if args.pool else 'Team'} {args.name} may hold {args.gpus} GPU(s) at once "
+          f"(global concurrency limit {name}).")
     return 0
 
 

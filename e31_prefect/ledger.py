@@ -28,6 +28,7 @@ class Holding:
     workspace: str
     destination: str | None = None
     infrastructure: str | None = None  # process group id, or container id
+    lease: str | None = None  # the pool/team quota lease, released on recovery
     runtime: str = "process"
     gpus: int = 0
     team: str | None = None

@@ -22,7 +22,7 @@ from prefect.client.orchestration import PrefectClient
 from prefect.exceptions import ObjectNotFound
 from prefect.states import Crashed
 
-from e31_prefect import reporting
+from e31_prefect import quotas, reporting
 from e31_prefect.ledger import Holding, Ledger
 from e31_prefect.meter import Meter
 from e31_prefect.staging import UploadError, make_writable, upload_outputs
@@ -66,6 +66,8 @@ async def recover(client: PrefectClient, ledger: Ledger, spool: Path) -> list[UU
     for holding in ledger.orphans():
         run_id = UUID(holding.flow_run_id)
         await anyio.to_thread.run_sync(stop_infrastructure, holding)
+        if holding.lease:
+            await quotas.release(client, UUID(holding.lease))
         now = datetime.now(timezone.utc)
         meter = closing_meter(holding, now)
         try:

@@ -33,6 +33,7 @@ OUTPUT_NOT_SENT = "OutputNotSent"
 OUT_OF_MEMORY = "OutOfMemory"
 NO_CONTAINER_ENGINE = "NoContainerEngine"
 CONTAINER_DIED = "ContainerDied"
+OVER_QUOTA = "OverQuota"
 PROCESS_DIED = "ProcessDied"
 
 

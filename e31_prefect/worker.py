@@ -34,7 +34,7 @@ from prefect.workers.base import BaseVariables, BaseWorkerResult
 from prefect_docker.worker import DockerWorker, DockerWorkerJobConfiguration
 from pydantic import Field, PrivateAttr
 
-from e31_prefect import reporting, timing
+from e31_prefect import quotas, reporting, timing
 from e31_prefect.dirs import DATA_DIR_VARIABLE, OUTPUT_DIR_VARIABLE
 from e31_prefect.inventory import Device, Inventory, discover, pick_devices, visible_devices_env
 from e31_prefect.job import JOB_VARIABLE_KEYS, DataInput, Job, JobError, Output, Request, Work
@@ -307,6 +307,7 @@ class JobLife:
         self.outputs: str | None = None
         self.job_name = configuration._job_name
         self.holding: Holding | None = None
+        self.lease: UUID | None = None
         self.handed_back = False
         self._started = False
 
@@ -333,6 +334,7 @@ class JobLife:
         finally:
             # Whatever happened, and even while the worker is being stopped, nothing stays held.
             self.worker.return_devices(self.flow_run.id)
+            await self._release_lease()
             with anyio.CancelScope(shield=True):
                 await self._release()
         return exit_code
@@ -380,8 +382,21 @@ class JobLife:
 
         devices = self._rent(job)
         if devices is None:
-            await self._hand_back(job)
+            await self._hand_back(f"No {job.request.gpus} free GPU(s) on worker {self.worker.name!r}; rescheduled.")
             return 0
+        try:
+            self.lease = await quotas.acquire(self.worker.client, quotas.limit_names(self.worker._work_pool_name,
+                                                                                       job.team),
+                                              len(devices), self.flow_run.id)
+        except quotas.QuotaFull as exc:
+            self.worker.return_devices(self.flow_run.id)
+            await self._hand_back(f"Quota full: {exc}; rescheduled.", delay=timedelta(seconds=15))
+            return 0
+        except quotas.OverQuota as exc:
+            self.worker.return_devices(self.flow_run.id)
+            await self._refuse(reporting.OVER_QUOTA, f"Over quota: {exc}; raise it with `e31 quota set` "
+                               "or ask for fewer GPUs. No GPU was rented.")
+            return 1
         self.devices = devices
         self.meter.devices = [d.index for d in devices]
         self.meter.mark("rented", self.now())
@@ -395,7 +410,7 @@ class JobLife:
             flow_run_id=str(self.flow_run.id), worker_pid=worker_pid, worker_started=worker_started,
             job_name=job.name, devices=[d.index for d in devices], workspace=str(self.workspace),
             destination=self._destination(job), runtime="docker" if job.work.image else "process",
-            gpus=len(devices), team=job.team)
+            gpus=len(devices), team=job.team, lease=str(self.lease) if self.lease else None)
         self._record()
         seconds = None if limit is None else max(0.0, (limit - self.now()).total_seconds())
         stop = asyncio.Event()
@@ -417,6 +432,7 @@ class JobLife:
             watcher.cancel()
             self.meter.mark("run_ended", self.now())
             self.worker.return_devices(self.flow_run.id)
+            await self._release_lease()
         self.log.info("Run ended (exit code %s); devices %s back in the pool",
                       outcome.exit_code, [d.index for d in devices] or "none")
         await self._judge(job, outcome, limit)
@@ -433,6 +449,12 @@ class JobLife:
         finally:
             client.close()
 
+    async def _release_lease(self) -> None:
+        if self.lease is not None:
+            lease, self.lease = self.lease, None
+            with anyio.CancelScope(shield=True):
+                await quotas.release(self.worker.client, lease)
+
     def _record(self) -> None:
         """Write this run's ledger entry with the meter so far and a fresh heartbeat."""
         if self.holding is None:
@@ -444,9 +466,14 @@ class JobLife:
     async def _watch_for_cancel(self, stop: asyncio.Event) -> None:
         # Prefect marks a run Cancelling; whoever runs its infrastructure must stop it.
         # The same beat keeps the ledger's heartbeat fresh, for recovery should this worker die.
+        renewed = self.now()
         while not stop.is_set():
             await asyncio.sleep(self.worker.settings.watch_seconds)
             self._record()
+            if self.lease is not None and (self.now() - renewed).total_seconds() > quotas.LEASE_SECONDS / 3:
+                with contextlib.suppress(Exception):
+                    await quotas.renew(self.worker.client, self.lease)
+                    renewed = self.now()
             with contextlib.suppress(Exception):
                 state = (await self.worker.client.read_flow_run(self.flow_run.id)).state
                 if state is not None and state.is_cancelling():
@@ -493,13 +520,12 @@ class JobLife:
             return wanted
         return None
 
-    async def _hand_back(self, job: Job) -> None:
-        # Devices were taken while this run staged: put it back for this or another worker.
-        message = f"No {job.request.gpus} free GPU(s) on worker {self.worker.name!r}; rescheduled."
+    async def _hand_back(self, message: str, delay: timedelta = timedelta(0)) -> None:
+        # It cannot be rented now: put it back for this or another worker.
         self.log.warning(message)
         self.handed_back = True
         await self.worker.client.set_flow_run_state(
-            self.flow_run.id, Scheduled(scheduled_time=self.now(), message=message), force=True)
+            self.flow_run.id, Scheduled(scheduled_time=self.now() + delay, message=message), force=True)
         self._not_started(RuntimeError(message))
 
     def _on_started(self, pid: int | str) -> None:
