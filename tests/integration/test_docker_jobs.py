@@ -6,13 +6,11 @@ Required in CI (E31_REQUIRE_DOCKER=1); skipped with the reason where no engine a
 from __future__ import annotations
 
 import json
-import subprocess
-import time
 
 import pytest
 
 from tests.integration.conftest import cli, containers_labelled, flow_run_id
-from tests.integration.test_jobs_end_to_end import read_run, write_job
+from tests.integration.test_jobs_end_to_end import cancel_while_running, read_run, write_job
 
 pytestmark = pytest.mark.integration
 
@@ -126,24 +124,8 @@ def test_time_limit_stops_the_container_and_frees_its_devices(prefect_server, jo
 
 def test_cancelling_a_running_container_stops_it_and_closes_the_meter(prefect_server, job_image, tmp_path, pool):
     job = image_job(tmp_path / "cancel", "cancel-me", job_image, flow=SLEEPER, request="{gpus: 1, max_duration: 10m}")
-    submitted = cli("e31", "submit", str(job), "--pool", pool)
-    run_id = flow_run_id(submitted.stdout)
-    worker = subprocess.Popen(
-        [cli_path("prefect"), "worker", "start", "--pool", pool, "--type", "e31", "--run-once"],
-        env={**_env(), "E31_GPUS": "1xH100", "E31_WATCH_SECONDS": "0.5"},
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.monotonic() + 120
-        while not (tmp_path / "cancel" / "out").exists() and time.monotonic() < deadline:
-            time.sleep(0.5)
-        while read_run(run_id).state.is_running() is False and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert read_run(run_id).state.is_running()
-        cancelled = cli("prefect", "flow-run", "cancel", str(run_id))
-        assert cancelled.returncode == 0, cancelled.stdout + cancelled.stderr
-        output, _ = worker.communicate(timeout=120)
-    finally:
-        worker.kill()
+    run_id = flow_run_id(cli("e31", "submit", str(job), "--pool", pool).stdout)
+    output = cancel_while_running(run_id, pool)
     run = read_run(run_id)
     assert run.state.is_cancelled(), (run.state, output[-3000:])
     assert containers_labelled("cancel-me") == []
@@ -204,18 +186,4 @@ def test_image_job_without_an_engine_fails_before_renting(prefect_server, tmp_pa
     run = read_run(flow_run_id(result.stdout))
     assert run.state.name == "NoContainerEngine" and "e31-prefect-job:any" in run.state.message
     assert "e31:billed-s=0" in run.tags
-
-
-def cli_path(name: str) -> str:
-    import shutil
-    import sys
-    from pathlib import Path
-
-    return shutil.which(name, path=str(Path(sys.executable).parent)) or name
-
-
-def _env() -> dict[str, str]:
-    import os
-
-    return dict(os.environ)
 

@@ -368,8 +368,16 @@ def test_cancelling_a_running_process_stops_its_group_and_closes_the_meter(prefe
             (output_dir() / "started.txt").write_text("yes")
             time.sleep(600)
         """)
-    submitted = cli("e31", "submit", str(job), "--pool", pool)
-    run_id = flow_run_id(submitted.stdout)
+    run_id = flow_run_id(cli("e31", "submit", str(job), "--pool", pool).stdout)
+    output = cancel_while_running(run_id, pool)
+    run = read_run(run_id)
+    assert run.state.is_cancelled(), (run.state, output[-3000:])
+    assert "e31:cancelled" in run.tags
+    assert (tmp_path / "cancel" / "out" / "started.txt").exists()
+
+
+def cancel_while_running(run_id: UUID, pool: str) -> str:
+    """Run a worker for the pool, cancel the run once it runs, as a user would; returns the worker's output."""
     worker = subprocess.Popen(
         [str(Path(sys.executable).parent / "prefect"), "worker", "start", "--pool", pool, "--type", "e31",
          "--run-once"], env={**os.environ, "E31_GPUS": "1xH100", "E31_WATCH_SECONDS": "0.5"},
@@ -378,12 +386,9 @@ def test_cancelling_a_running_process_stops_its_group_and_closes_the_meter(prefe
         deadline = time.monotonic() + 120
         while not read_run(run_id).state.is_running() and time.monotonic() < deadline:
             time.sleep(0.5)
+        assert read_run(run_id).state.is_running()
         cancelled = cli("prefect", "flow-run", "cancel", str(run_id))
         assert cancelled.returncode == 0, cancelled.stdout + cancelled.stderr
-        output, _ = worker.communicate(timeout=120)
+        return worker.communicate(timeout=120)[0]
     finally:
         worker.kill()
-    run = read_run(run_id)
-    assert run.state.is_cancelled(), (run.state, output[-3000:])
-    assert "e31:cancelled" in run.tags
-    assert (tmp_path / "cancel" / "out" / "started.txt").exists()
