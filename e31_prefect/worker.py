@@ -37,7 +37,7 @@ from pydantic import Field, PrivateAttr
 from e31_prefect import quotas, reporting, timing
 from e31_prefect.dirs import DATA_DIR_VARIABLE, OUTPUT_DIR_VARIABLE
 from e31_prefect.inventory import Device, Inventory, discover, pick_devices, visible_devices_env
-from e31_prefect.job import JOB_VARIABLE_KEYS, DataInput, Job, JobError, Output, Request, Work
+from e31_prefect.job import JOB_VARIABLE_KEYS, DataInput, Job, JobError, Output, Request, Work, anchor
 from e31_prefect.ledger import Holding, Ledger, this_process
 from e31_prefect.meter import Meter
 from e31_prefect.recovery import recover
@@ -100,6 +100,7 @@ class E31JobConfiguration(DockerWorkerJobConfiguration):
 
     _job_name: str = PrivateAttr(default="job")
     _job_folder: Path | None = PrivateAttr(default=None)
+    _code_folder: Path | None = PrivateAttr(default=None)
 
     @classmethod
     def json_template(cls) -> dict[str, Any]:
@@ -119,10 +120,16 @@ class E31JobConfiguration(DockerWorkerJobConfiguration):
         super().prepare_for_flow_run(flow_run, deployment, flow, work_pool, worker_name, worker_id=worker_id)
         self._job_name = deployment.name if deployment else flow_run.name
         self._job_folder = job_folder(deployment)
+        path = Path(deployment.path) if deployment and deployment.path else None
+        self._code_folder = path if path is not None and path.is_dir() else None
 
     def job(self, name: str | None = None) -> Job:
-        """The validated job; raises :class:`JobError` naming each bad field."""
-        return Job.from_job_variables({k: getattr(self, k) for k in JOB_VARIABLE_KEYS}, name=name or self._job_name)
+        """The validated job; raises :class:`JobError` naming each bad field.
+
+        Relative local paths (as a hand-written deployment may give) are read from the deployment's folder.
+        """
+        job = Job.from_job_variables({k: getattr(self, k) for k in JOB_VARIABLE_KEYS}, name=name or self._job_name)
+        return anchor(job, self._code_folder) if self._code_folder else job
 
 
 def job_folder(deployment: DeploymentResponse | None) -> Path | None:
@@ -154,7 +161,7 @@ class E31Worker(DockerWorker):
         super().__init__(*args, **kwargs)
         self.settings = settings or E31Settings()
         self.inventory = Inventory(discover(self.settings.gpus))
-        self.meters: dict[UUID, Meter] = {}
+        self.meters: dict[UUID, Meter] = {}  # the meters of runs in progress (and, for `e31 run`, its own)
         self.ledger = Ledger(self.settings.home.expanduser() / "ledger")
         self._living: set[UUID] = set()
         # When each run holding devices here must have let them go (its time limit), for backfill.
@@ -598,6 +605,9 @@ class JobLife:
         if "rented" in self.meter.marks:
             # A run cut short by the worker itself stops billing here, never later.
             self.meter.mark("run_ended", self.meter.marks["released"])
+        if self.worker._only_flow_run_ids is None:
+            # A long-lived worker keeps no meter in memory once it is recorded in Prefect.
+            self.worker.meters.pop(self.flow_run.id, None)
         try:
             await self.report.close(self.meter, self.job_name, self.outcome, self.outputs)
         except Exception:

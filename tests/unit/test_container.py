@@ -68,3 +68,18 @@ def test_a_deployment_built_with_its_code_inside_gets_no_job_folder_mount(tmp_pa
     prepared = container.prepare(DockerWorkerJobConfiguration(image="x"), job(), [], tmp_path / "d", tmp_path / "o",
                                  None, send_device_requests=False)
     assert len(prepared.volumes) == 2 and "working_dir" not in prepared.container_create_kwargs
+
+
+def test_a_deployments_relative_paths_are_read_from_its_folder(tmp_path: Path):
+    from e31_prefect.worker import E31JobConfiguration
+
+    configuration = E31JobConfiguration(
+        request={"max_duration": "1h"}, work={"parameters": {}},
+        data=[{"from": "./data/train.csv"}, {"from": "s3://bucket/frames/", "to": "frames"}],
+        output={"to": "outputs/{flow_run.name}/"})
+    configuration._code_folder = tmp_path
+    job = configuration.job("nightly")
+    assert [d.source for d in job.data] == [f"file://{tmp_path}/data/train.csv", "s3://bucket/frames/"]
+    assert job.output.to == f"file://{tmp_path}/outputs/{{flow_run.name}}/"
+    configuration._code_folder = None
+    assert configuration.job("nightly").data[0].source == "./data/train.csv"
