@@ -14,7 +14,7 @@ import argparse
 import asyncio
 import sys
 from collections.abc import Sequence
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from uuid import UUID
 
@@ -48,6 +48,13 @@ def _parser() -> argparse.ArgumentParser:
     validate.add_argument("file", type=Path)
     validate.add_argument("--now", action="store_true", help="plan as if started now, ignoring start")
     validate.set_defaults(handler=_validate)
+
+    usage = commands.add_parser("usage", help="what finished jobs cost, by team, deployment, pool or day")
+    usage.add_argument("--since", type=_moment, help="ISO date or datetime (default: 7 days ago)")
+    usage.add_argument("--until", type=_moment, help="ISO date or datetime (default: now)")
+    usage.add_argument("--by", choices=["team", "deployment", "pool", "day"], default="team")
+    usage.add_argument("--format", choices=["table", "csv", "json"], default="table")
+    usage.set_defaults(handler=_usage)
 
     quota = commands.add_parser("quota", help="GPUs a team (or with --pool, a pool) may hold at once")
     quota_actions = quota.add_subparsers(required=True, metavar="ACTION")
@@ -96,6 +103,71 @@ def _validate(args: argparse.Namespace) -> int:
         assert the_plan.latest_start is not None
         print(f"# latest start:   {the_plan.latest_start.astimezone(job.tz).isoformat(timespec='minutes')}")
     return 0
+
+
+def _moment(text: str) -> datetime:
+    moment = datetime.fromisoformat(text)
+    return moment if moment.tzinfo else moment.replace(tzinfo=timezone.utc)
+
+
+def _usage(args: argparse.Namespace) -> int:
+    from e31_prefect import usage
+
+    _connect()
+    until = args.until or datetime.now(timezone.utc)
+    since = args.since or until - timedelta(days=7)
+    runs = asyncio.run(_read_usage(since, until))
+    print(usage.render(usage.summarize(runs, args.by), args.by, args.format))
+    return 0
+
+
+async def _read_usage(since: datetime, until: datetime):
+    """Each finished E31 run scheduled in [since, until], with its meter."""
+    import json
+
+    from prefect import get_client
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterFlowRunId,
+        FlowRunFilter,
+        FlowRunFilterExpectedStartTime,
+        FlowRunFilterTags,
+    )
+
+    from e31_prefect.usage import RunUsage, meter_from_table
+
+    found = []
+    async with get_client() as client:
+        flow_runs, offset = [], 0
+        while True:
+            page = await client.read_flow_runs(flow_run_filter=FlowRunFilter(
+                tags=FlowRunFilterTags(all_=["e31"]),
+                expected_start_time=FlowRunFilterExpectedStartTime(after_=since, before_=until)),
+                limit=200, offset=offset)
+            flow_runs += page
+            offset += len(page)
+            if len(page) < 200:
+                break
+        deployments: dict = {}
+        for flow_run in flow_runs:
+            tags = {t.split("=", 1)[0]: t.split("=", 1)[1] for t in flow_run.tags if "=" in t}
+            if "e31:billed-s" not in tags:
+                continue  # not closed yet
+            meters = [a for a in await client.read_artifacts(artifact_filter=ArtifactFilter(
+                flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run.id]))) if a.key and a.key.startswith("e31-meter")]
+            if not meters:
+                continue
+            if flow_run.deployment_id and flow_run.deployment_id not in deployments:
+                deployments[flow_run.deployment_id] = (await client.read_deployment(flow_run.deployment_id)).name
+            gpus = int(tags.get("e31:gpus", "0"))
+            billed, run_seconds, queue = meter_from_table(json.loads(meters[0].data), gpus)
+            outcome = next((t.removeprefix("e31:") for t in flow_run.tags
+                            if t in ("e31:deadline-missed", "e31:timed-out")), None)
+            found.append(RunUsage(
+                team=tags.get("e31:team", "-"), deployment=deployments.get(flow_run.deployment_id, "-"),
+                pool=flow_run.work_pool_name or "-", day=flow_run.expected_start_time.date().isoformat(),
+                gpus=gpus, billed_seconds=billed, run_seconds=run_seconds, queue_seconds=queue, outcome=outcome))
+    return found
 
 
 def _quota_set(args: argparse.Namespace) -> int:

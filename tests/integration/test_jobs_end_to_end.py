@@ -392,3 +392,34 @@ def cancel_while_running(run_id: UUID, pool: str) -> str:
         return worker.communicate(timeout=120)[0]
     finally:
         worker.kill()
+
+
+def test_usage_totals_equal_the_sum_of_the_runs_meters(prefect_server, tmp_path, pool):
+    flow = """
+        from prefect import flow
+
+        @flow
+        def quick():
+            return 1
+        """
+    ids = []
+    for index, (team, gpus) in enumerate([("usage-a", 1), ("usage-a", 2), ("usage-b", 1)]):
+        job = write_job(tmp_path / f"j{index}", f"""
+            name: usage-{index}
+            team: {team}
+            work: {{flow: flow.py:quick}}
+            request: {{gpus: {gpus}, max_duration: 5m}}
+            """, flow=flow)
+        result = cli("e31", "run", str(job), "--pool", pool, gpus="2xH100")
+        assert result.returncode == 0, result.stdout + result.stderr
+        ids.append((team, gpus, flow_run_id(result.stdout)))
+    expected: dict[str, float] = {}
+    for team, gpus, run_id in ids:
+        rows = json.loads(artifacts_of(run_id)["meter"].data)
+        expected[team] = expected.get(team, 0.0) + gpus * rows[-1]["seconds"]
+    report = cli("e31", "usage", "--by", "team", "--format", "json")
+    assert report.returncode == 0, report.stderr
+    totals = {row["team"]: row for row in json.loads(report.stdout)}
+    for team, billed_gpu_seconds in expected.items():
+        assert totals[team]["gpu_hours_billed"] == pytest.approx(billed_gpu_seconds / 3600, abs=1e-12)
+    assert totals["usage-a"]["runs"] == 2 and totals["usage-b"]["runs"] == 1
