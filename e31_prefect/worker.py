@@ -194,9 +194,9 @@ class E31Worker(DockerWorker):
         now = datetime.now(timezone.utc)
         busy = [Busy(device, self.holds_until.get(holder, now + timedelta(days=3650)))
                 for device, holder in self.inventory.holders().items()]
-        decision = decide([run for run, _ in waiting.values()], self.inventory.free(), now, busy)
+        decision = decide([run for run, _, _ in waiting.values()], self.inventory.free(), now, busy)
         for run in decision.missed:
-            await self._refuse_missed(by_id[run.id].flow_run, waiting[run.id][1], run.latest_start, now)
+            await self._refuse_missed(by_id[run.id].flow_run, *waiting[run.id][1:], run.latest_start, now)
         chosen: list[WorkerFlowRunResponse] = []
         for run, devices in decision.start:
             if self.inventory.hold(run.id, devices):
@@ -205,8 +205,8 @@ class E31Worker(DockerWorker):
                     self.holds_until[run.id] = now + run.duration
         return await self._submit_scheduled_flow_runs(flow_run_response=chosen)
 
-    async def _waiting_runs(self, flow_runs: list[FlowRun]) -> dict[UUID, tuple[WaitingRun, str]]:
-        """Each scheduled run as the scheduler sees it, with its job's name."""
+    async def _waiting_runs(self, flow_runs: list[FlowRun]) -> dict[UUID, tuple[WaitingRun, str, str | None]]:
+        """Each scheduled run as the scheduler sees it, with its job's name and team."""
         deployments: dict[UUID, DeploymentResponse | None] = {}
         waiting = {}
         for flow_run in flow_runs:
@@ -217,10 +217,12 @@ class E31Worker(DockerWorker):
                     deployments[flow_run.deployment_id] = None
             deployment = deployments.get(flow_run.deployment_id) if flow_run.deployment_id else None
             name = deployment.name if deployment else flow_run.name
-            waiting[flow_run.id] = (await self._waiting_run(flow_run, deployment, name), name)
+            run, team = await self._waiting_run(flow_run, deployment, name)
+            waiting[flow_run.id] = (run, name, team)
         return waiting
 
-    async def _waiting_run(self, flow_run: FlowRun, deployment: DeploymentResponse | None, name: str) -> WaitingRun:
+    async def _waiting_run(self, flow_run: FlowRun, deployment: DeploymentResponse | None,
+                           name: str) -> tuple[WaitingRun, str | None]:
         scheduled = scheduled_start(flow_run)
         values = {**(deployment.job_variables if deployment else {}), **(flow_run.job_variables or {})}
         try:
@@ -230,7 +232,7 @@ class E31Worker(DockerWorker):
         except ValueError:
             # An invalid job (JobError, or job variables of the wrong shape) is taken at once,
             # on no device, so that its run fails with the reason.
-            return WaitingRun(flow_run.id, 0, None, scheduled)
+            return WaitingRun(flow_run.id, 0, None, scheduled), None
         deadline = timing.resolve_deadline(job.request.deadline, scheduled, job.tz)
         return WaitingRun(
             id=flow_run.id,
@@ -240,15 +242,16 @@ class E31Worker(DockerWorker):
             latest_start=timing.latest_start(deadline, job.request.admission_duration),
             priority=job.request.priority,
             duration=job.request.time_limit or job.request.expected_duration,
-        )
+        ), job.team
 
-    async def _refuse_missed(self, flow_run: FlowRun, job_name: str, latest: datetime | None, now: datetime) -> None:
+    async def _refuse_missed(self, flow_run: FlowRun, job_name: str, team: str | None, latest: datetime | None,
+                             now: datetime) -> None:
         report = reporting.JobReport(self.client, flow_run, [])
         message = (f"Deadline missed: the run had to start by {latest.isoformat() if latest else '?'} "
                    f"to finish in time; it is now {now.isoformat(timespec='seconds')}. No GPU was rented.")
         report.step("deadline-missed", latest_start=str(latest), now=now.isoformat())
         await report.fail(reporting.DEADLINE_MISSED, message)
-        meter = Meter()
+        meter = Meter(team=team)
         meter.mark("submitted", scheduled_start(flow_run))
         meter.mark("released", now)
         await report.close(meter, job_name, "deadline-missed", None)

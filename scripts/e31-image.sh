@@ -42,4 +42,7 @@ python3 -m pip download --quiet --only-binary=:all: --python-version 3.11.2 \
   -c constraints.txt -d "$context/deps" "$context"/project/*.whl "async-timeout>=4.0.3" >&2
 rm -f "$context"/deps/e31_prefect-*.whl
 docker build --network none -t "$tag" "$context" >&2
+# Older builds of the image are dead weight once this one exists.
+docker images e31-prefect-job --format '{{.Tag}}' | grep -vx "$inputs" | \
+  xargs -r -I{} docker rmi "e31-prefect-job:{}" >/dev/null 2>&1 || true
 echo "$tag"

@@ -218,6 +218,7 @@ def test_command_job_runs_through_the_built_in_flow(prefect_server, jobs, pool):
 def test_worker_refuses_a_run_past_its_latest_start_before_renting(prefect_server, tmp_path, pool):
     job = write_job(tmp_path / "late", """
         name: late-job
+        team: night-shift
         work: {flow: flow.py:never}
         request: {gpus: 1, max_duration: 1h, deadline: +2h}
         """, flow="""
@@ -245,6 +246,7 @@ def test_worker_refuses_a_run_past_its_latest_start_before_renting(prefect_serve
     assert run.state.is_failed() and run.state.name == "DeadlineMissed"
     assert "No GPU was rented" in run.state.message
     assert "e31:billed-s=0" in run.tags and "e31:deadline-missed" in run.tags
+    assert "e31:team=night-shift" in run.tags  # so `e31 usage` counts the miss against its team
     e31_events(late.id, {"e31.job.deadline-missed"})
 
 
