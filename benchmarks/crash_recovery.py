@@ -25,6 +25,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from overhead import start_server  # noqa: E402
 
+from e31_prefect.ledger import process_running  # noqa: E402
+
 FLOW = '''
 import time
 from prefect import flow
@@ -34,14 +36,6 @@ from prefect import flow
 def hold():
     time.sleep(600)
 '''
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state not in ("Z", "X")
 
 
 def main() -> None:
@@ -89,10 +83,10 @@ def main() -> None:
             open_meter = not (run.state and run.state.is_final() and any(t.startswith("e31:billed-s=")
                                                                          for t in run.tags))
             leaks["slots"] += slots
-            leaks["devices"] += int(alive(orphan))
+            leaks["devices"] += int(process_running(orphan))
             leaks["meters"] += int(open_meter)
             print(f"round {round_number:>2}: state {run.state.name if run.state else None}, slots held {slots}, "
-                  f"orphan alive {alive(orphan)}, meter open {open_meter}", flush=True)
+                  f"orphan alive {process_running(orphan)}, meter open {open_meter}", flush=True)
     finally:
         if server:
             os.killpg(server.pid, 15)

@@ -40,13 +40,24 @@ class Holding:
         return {step: datetime.fromisoformat(at) for step, at in self.marks.items()}
 
 
-def process_start_time(pid: int) -> str | None:
-    """When a process started (in clock ticks since boot, from /proc); None if it does not exist."""
+def _stat(pid: int) -> list[str] | None:
+    """A process's /proc stat fields after its name (state first); None if it does not exist."""
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except (FileNotFoundError, ProcessLookupError, IndexError):
         return None
-    return fields[19]
+
+
+def process_start_time(pid: int) -> str | None:
+    """When a process started (in clock ticks since boot, from /proc); None if it does not exist."""
+    fields = _stat(pid)
+    return fields[19] if fields else None
+
+
+def process_running(pid: int) -> bool:
+    """Whether a process runs (a killed one left unreaped as a zombie does not)."""
+    fields = _stat(pid)
+    return fields is not None and fields[0] not in ("Z", "X")
 
 
 def this_process() -> tuple[int, str]:

@@ -14,7 +14,7 @@ import os
 import signal
 from datetime import datetime, timezone
 from pathlib import Path
-from shutil import move, rmtree
+from shutil import rmtree
 from uuid import UUID
 
 import anyio
@@ -25,7 +25,7 @@ from prefect.states import Crashed
 from e31_prefect import quotas, reporting
 from e31_prefect.ledger import Holding, Ledger
 from e31_prefect.meter import Meter
-from e31_prefect.staging import UploadError, make_writable, upload_outputs
+from e31_prefect.staging import UploadError, make_writable, spool_outputs, upload_outputs
 
 logger = logging.getLogger("e31.recovery")
 
@@ -102,7 +102,4 @@ def _send_what_was_written(holding: Holding, spool: Path) -> str | None:
         with contextlib.suppress(UploadError):
             upload_outputs(output_dir, holding.destination, attempts=2)
             return holding.destination
-    kept = spool / holding.flow_run_id
-    kept.parent.mkdir(parents=True, exist_ok=True)
-    move(str(output_dir), str(kept))
-    return f"file://{kept}/"
+    return spool_outputs(output_dir, spool, holding.flow_run_id)

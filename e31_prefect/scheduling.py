@@ -46,10 +46,10 @@ class WaitingRun:
 
 @dataclass(frozen=True)
 class Busy:
-    """A device held by a running run until (at the latest) ``until``."""
+    """A device held by a running run until (at the latest) ``until``; None: no known end."""
 
     device: Device
-    until: datetime
+    until: datetime | None
 
 
 @dataclass
@@ -74,7 +74,8 @@ class _Timeline:
         self.now = now
         self.intervals: dict[Device, list[tuple[datetime, datetime]]] = {d: [] for d in free}
         for held in busy:
-            bisect.insort(self.intervals.setdefault(held.device, []), (now, max(held.until, now)))
+            until = now + _FOREVER if held.until is None else max(held.until, now)
+            bisect.insort(self.intervals.setdefault(held.device, []), (now, until))
 
     def earliest(self, run: WaitingRun, horizon: datetime | None) -> tuple[datetime, list[Device]] | None:
         """The earliest start (not after ``horizon``) at which ``run.gpus`` devices are free for its duration."""

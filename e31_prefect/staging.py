@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import shutil
 import stat
 import time
 from collections.abc import Callable, Iterable
@@ -161,6 +162,14 @@ def make_writable(root: Path) -> None:
 def missing_outputs(output_dir: Path, expect: Iterable[str]) -> list[str]:
     """Expected outputs the run did not write."""
     return [name for name in expect if not (output_dir / name).exists()]
+
+
+def spool_outputs(output_dir: Path, spool: Path, flow_run_id: str) -> str:
+    """Keep outputs that could not be sent under the host's spool; returns their ``file://`` URL."""
+    kept = spool / flow_run_id
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    shutil.move(str(output_dir), str(kept))
+    return f"file://{kept}/"
 
 
 def upload_outputs(

@@ -19,7 +19,7 @@ import os
 import sys
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from shutil import move, rmtree
+from shutil import rmtree
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Literal
 from uuid import UUID
@@ -35,18 +35,25 @@ from prefect_docker.worker import DockerWorker, DockerWorkerJobConfiguration
 from pydantic import Field, PrivateAttr
 
 from e31_prefect import quotas, reporting, timing
-from e31_prefect.dirs import DATA_DIR_VARIABLE, OUTPUT_DIR_VARIABLE
-from e31_prefect.inventory import Device, Inventory, discover, pick_devices, visible_devices_env
+from e31_prefect.inventory import Device, Inventory, discover, pick_devices
 from e31_prefect.job import JOB_VARIABLE_KEYS, DataInput, Job, JobError, Output, Request, Work, anchor
 from e31_prefect.ledger import Holding, Ledger, this_process
 from e31_prefect.meter import Meter
 from e31_prefect.recovery import recover
-from e31_prefect.runtimes import RunOutcome
+from e31_prefect.runtimes import RunOutcome, job_environment
 from e31_prefect.runtimes import container as containers
 from e31_prefect.runtimes.process import run_process
 from e31_prefect.scheduling import Busy, WaitingRun, decide
 from e31_prefect.settings import E31Settings
-from e31_prefect.staging import StagingError, UploadError, make_writable, missing_outputs, stage_inputs, upload_outputs
+from e31_prefect.staging import (
+    StagingError,
+    UploadError,
+    make_writable,
+    missing_outputs,
+    spool_outputs,
+    stage_inputs,
+    upload_outputs,
+)
 
 if TYPE_CHECKING:
     from prefect.client.schemas.objects import Flow as APIFlow
@@ -192,7 +199,7 @@ class E31Worker(DockerWorker):
         by_id = {r.flow_run.id: r for r in responses}
         waiting = await self._waiting_runs([r.flow_run for r in responses])
         now = datetime.now(timezone.utc)
-        busy = [Busy(device, self.holds_until.get(holder, now + timedelta(days=3650)))
+        busy = [Busy(device, self.holds_until.get(holder))
                 for device, holder in self.inventory.holders().items()]
         decision = decide([run for run, _, _ in waiting.values()], self.inventory.free(), now, busy)
         for run in decision.missed:
@@ -324,11 +331,12 @@ class JobLife:
     def now(self) -> datetime:
         return datetime.now(timezone.utc)
 
-    def _not_started(self, reason: Exception) -> None:
-        # Prefect's worker waits for this signal; an exception says no infrastructure started.
+    def _signal_started(self, value: int | str | Exception) -> None:
+        # Prefect's worker waits for this signal once: the infrastructure id, or an exception
+        # saying no infrastructure started.
         if not self._started:
             self._started = True
-            self.task_status.started(reason)
+            self.task_status.started(value)
 
     async def live(self) -> int:
         self.meter.mark("submitted", scheduled_start(self.flow_run))
@@ -340,7 +348,7 @@ class JobLife:
             self.log.exception("The e31 worker failed while running this job")
             await self.worker.client.set_flow_run_state(
                 self.flow_run.id, Crashed(message=f"The e31 worker failed: {type(exc).__name__}: {exc}"), force=True)
-            self._not_started(exc)
+            self._signal_started(exc)
         finally:
             # Whatever happened, and even while the worker is being stopped, nothing stays held.
             self.worker.return_devices(self.flow_run.id)
@@ -536,7 +544,7 @@ class JobLife:
         self.handed_back = True
         await self.worker.client.set_flow_run_state(
             self.flow_run.id, Scheduled(scheduled_time=self.now() + delay, message=message), force=True)
-        self._not_started(RuntimeError(message))
+        self._signal_started(RuntimeError(message))
 
     def _on_started(self, pid: int | str) -> None:
         self.pid = pid
@@ -545,36 +553,23 @@ class JobLife:
             self.holding.infrastructure = str(pid)
             self._record()
         self.report.step("running", self.devices, infrastructure=str(pid))
-        if not self._started:
-            self._started = True
-            self.task_status.started(pid)
+        self._signal_started(pid)
 
     def _environment(self, job: Job, devices: list[Device], data_dir: Path, output_dir: Path) -> dict[str, str]:
         inherited = {k: v for k, v in os.environ.items() if not k.startswith(_WITHHELD_PREFIXES)}
         prefect_env = {k: v for k, v in self.configuration.env.items() if v is not None}
         # prefect-docker rewrites a loopback API URL for containers; a local process uses the worker's own.
         prefect_env["PREFECT_API_URL"] = PREFECT_API_URL.value() or prefect_env.get("PREFECT_API_URL", "")
-        return {
-            **inherited,
-            **prefect_env,
-            **job.work.env,
-            # Set last: a job cannot widen its own view of the host.
-            **visible_devices_env(devices),
-            DATA_DIR_VARIABLE: str(data_dir),
-            OUTPUT_DIR_VARIABLE: str(output_dir),
-        }
+        return {**inherited, **prefect_env, **job_environment(job, devices, data_dir, output_dir)}
 
     async def _send_outputs(self, job: Job, output_dir: Path) -> None:
         destination = self._destination(job)
         try:
             sent = await anyio.to_thread.run_sync(upload_outputs, output_dir, destination, None, 3, 1.0, self.log)
         except UploadError as exc:
-            kept = self.worker.settings.spool / str(self.flow_run.id)
-            kept.parent.mkdir(parents=True, exist_ok=True)
-            move(str(output_dir), str(kept))
-            self.outputs = f"file://{kept}/"
+            self.outputs = spool_outputs(output_dir, self.worker.settings.spool, str(self.flow_run.id))
             await self.report.fail(reporting.OUTPUT_NOT_SENT,
-                                   f"Outputs could not be sent ({exc}); they are kept at {kept}.")
+                                   f"Outputs could not be sent ({exc}); they are kept at {self.outputs}.")
             return
         self.outputs = destination
         self.meter.mark("output", self.now())
@@ -597,10 +592,10 @@ class JobLife:
     async def _refuse(self, name: str, message: str) -> None:
         self.log.error(message)
         await self.report.fail(name, message)
-        self._not_started(RuntimeError(message))
+        self._signal_started(RuntimeError(message))
 
     async def _release(self) -> None:
-        self._not_started(RuntimeError("The run ended before it started."))
+        self._signal_started(RuntimeError("The run ended before it started."))
         if self.handed_back:
             self.worker.meters.pop(self.flow_run.id, None)
             return

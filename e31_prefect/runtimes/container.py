@@ -19,10 +19,9 @@ import docker.errors
 import docker.types
 
 import docker
-from e31_prefect.dirs import DATA_DIR_VARIABLE, OUTPUT_DIR_VARIABLE
-from e31_prefect.inventory import Device, visible_devices_env
+from e31_prefect.inventory import Device
 from e31_prefect.job import Job
-from e31_prefect.runtimes import RunOutcome
+from e31_prefect.runtimes import RunOutcome, job_environment
 
 if TYPE_CHECKING:
     from prefect_docker.worker import DockerWorker, DockerWorkerJobConfiguration
@@ -53,10 +52,7 @@ def container_environment(base: dict[str, str | None], job: Job, devices: Sequen
     """Prefect's environment for the run, the job's own, its devices and its dirs; nothing of the host's."""
     return {
         **{k: v for k, v in base.items() if v is not None},
-        **job.work.env,
-        **visible_devices_env(devices),
-        DATA_DIR_VARIABLE: DATA_MOUNT,
-        OUTPUT_DIR_VARIABLE: OUTPUT_MOUNT,
+        **job_environment(job, devices, DATA_MOUNT, OUTPUT_MOUNT),
     }
 
 

@@ -20,6 +20,7 @@ from prefect import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 from prefect.events.filters import EventFilter, EventNameFilter, EventResourceFilter
 
+from e31_prefect.ledger import process_running
 from tests.integration.conftest import cli, flow_run_id
 
 pytestmark = pytest.mark.integration
@@ -52,15 +53,6 @@ def e31_events(run_id: UUID, expect: set[str], timeout: float = 30) -> list[str]
             return names
         time.sleep(1)
     raise AssertionError(f"events {sorted(expect - set(names))} never arrived; got {names}")
-
-
-def running(pid: int) -> bool:
-    """Whether a process is alive (a killed child left unreaped as a zombie is not)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state not in ("Z", "X")
 
 
 def write_job(folder: Path, text: str, flow: str | None = None, name: str = "job.yaml") -> Path:
@@ -177,7 +169,7 @@ def test_time_limit_kills_the_process_group_and_fails_timed_out(prefect_server, 
     assert "e31:timed-out" in run.tags
     out = tmp_path / "slow" / "out"
     assert (out / "partial.txt").read_text() == "written before the limit"
-    assert not running(int((out / "child.pid").read_text()))
+    assert not process_running(int((out / "child.pid").read_text()))
     billed = int(next(t for t in run.tags if t.startswith("e31:billed-s=")).split("=")[1])
     assert 3 <= billed <= 30
     e31_events(run_id, {"e31.job.timed-out", "e31.job.released"})

@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 from prefect import get_client
 
+from e31_prefect.ledger import process_running
 from tests.integration.conftest import cli, flow_run_id
-from tests.integration.test_jobs_end_to_end import read_run, running, write_job
+from tests.integration.test_jobs_end_to_end import read_run, write_job
 
 pytestmark = pytest.mark.integration
 
@@ -126,8 +127,8 @@ def test_a_killed_workers_quota_slots_come_back_within_a_lease(prefect_server, t
     assert active_slots(f"e31-pool-{pool}") == 0, "slots outlived the lease of the dead worker"
     # The orphan still runs until a worker starts on its host; that one cleans it up.
     entry = json.loads((home / "ledger" / f"{run_id}.json").read_text())
-    assert running(int(entry["infrastructure"]))
+    assert process_running(int(entry["infrastructure"]))
     env = {"E31_HOME": str(home), "E31_GPUS": "2xH100", "WORKER_TAG": "a"}
     assert cli("prefect", "worker", "start", "--pool", pool, "--type", "e31", "--run-once", env=env).returncode == 0
-    assert not running(int(entry["infrastructure"]))
+    assert not process_running(int(entry["infrastructure"]))
     assert read_run(run_id).state.type.value == "CRASHED"

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from e31_prefect.ledger import process_running
 from tests.integration.conftest import cli, flow_run_id
-from tests.integration.test_jobs_end_to_end import read_run, running, write_job
+from tests.integration.test_jobs_end_to_end import read_run, write_job
 
 pytestmark = pytest.mark.integration
 
@@ -57,13 +58,13 @@ def test_killed_worker_leaves_nothing_held_or_billing(prefect_server, tmp_path, 
         worker.wait(timeout=30)
     last = json.loads(entry.read_text())
     orphan = int(last["infrastructure"])
-    assert running(orphan), "the flow run's process outlives its killed worker until someone stops it"
+    assert process_running(orphan), "the flow run's process outlives its killed worker until someone stops it"
     time.sleep(5)  # the orphan keeps running; none of this may be billed
 
     restarted = cli("prefect", "worker", "start", "--pool", pool, "--type", "e31", "--run-once", env=env)
     assert restarted.returncode == 0, restarted.stdout + restarted.stderr
 
-    assert not running(orphan)
+    assert not process_running(orphan)
     assert not entry.exists()
     run = read_run(run_id)
     assert run.state.type.value == "CRASHED" and "last heartbeat" in run.state.message

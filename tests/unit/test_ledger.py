@@ -60,3 +60,17 @@ def test_a_dead_workers_meter_closes_at_its_last_heartbeat_not_at_recovery():
 def test_a_run_that_never_beat_is_billed_nothing():
     entry = holding("r", 1, "x", marks={"rented": T0.isoformat()})
     assert closing_meter(entry, now=T0 + timedelta(hours=1)).billed_seconds == 0.0
+
+
+def test_process_running_tells_live_from_gone_and_unreaped():
+    from e31_prefect.ledger import process_running
+
+    assert process_running(os.getpid())
+    finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    assert not process_running(int(finished.stdout))
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = datetime.now() + timedelta(seconds=10)
+    while process_running(zombie.pid) and datetime.now() < deadline:
+        pass
+    assert not process_running(zombie.pid)  # exited, not yet reaped: a zombie is not running
+    zombie.wait()
