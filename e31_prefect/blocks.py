@@ -20,7 +20,7 @@ from fsspec.core import url_to_fs
 from prefect._internal.compatibility.async_dispatch import async_dispatch
 from prefect.filesystems import WritableFileSystem
 from prefect.utilities.asyncutils import run_sync_in_worker_thread
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, field_validator
 
 # s3fs options that carry a credential: they belong in the secret fields, never in s3_options.
 CREDENTIAL_OPTIONS = frozenset({
@@ -61,6 +61,15 @@ class E31Storage(WritableFileSystem):
         default_factory=dict, title="Extra s3fs options",
         description="Other s3fs.S3FileSystem arguments (no credentials here: use the secret fields).",
         examples=[{"config_kwargs": {"max_pool_connections": 32}}])
+
+    @field_validator("s3_options")
+    @classmethod
+    def _no_credentials_in_options(cls, value: dict[str, Any]) -> dict[str, Any]:
+        found = sorted(CREDENTIAL_OPTIONS & {*value, *(value.get("client_kwargs") or {})})
+        if found:
+            raise ValueError(f"holds {', '.join(found)}: credentials go in access_key_id, secret_access_key "
+                             "and session_token, which are kept secret")
+        return value
 
     def fsspec_options(self) -> dict[str, dict[str, Any]]:
         """The options staging hands to fsspec, by URL scheme: ``{"s3": {...s3fs arguments...}}``."""

@@ -3,6 +3,7 @@
     e31 run deployments/jobs/retrain.yaml --now   # submit, run it here, print state, outputs, meter
     e31 submit job.yaml                           # schedule it; a worker runs it later
     e31 validate job.yaml                         # the normalized job, or its problems
+    e31 blocks apply blocks/                      # create or update the blocks described in blocks/*.yaml
 
 With no ``PREFECT_API_URL`` set, a local Prefect server is started in the background.
 A job that is not valid exits with status 2 and one line per problem.
@@ -63,6 +64,12 @@ def _parser() -> argparse.ArgumentParser:
     quota_set.add_argument("gpus", type=int)
     quota_set.add_argument("--pool", action="store_true", help="NAME is a work pool: set its capacity")
     quota_set.set_defaults(handler=_quota_set)
+
+    blocks = commands.add_parser("blocks", help="Prefect blocks described in YAML files (storage credentials)")
+    blocks_apply = blocks.add_subparsers(required=True, metavar="ACTION").add_parser(
+        "apply", help="create or update the blocks in YAML files or folders: e31 blocks apply blocks/")
+    blocks_apply.add_argument("paths", nargs="+", type=Path, metavar="PATH")
+    blocks_apply.set_defaults(handler=_blocks_apply)
 
     server = commands.add_parser("server", help="the local Prefect server the CLI starts")
     server.add_argument("action", choices=["stop"])
@@ -188,6 +195,24 @@ def _quota_set(args: argparse.Namespace) -> int:
     asyncio.run(apply())
     print(f"{'Pool' if args.pool else 'Team'} {args.name} may hold {args.gpus} GPU(s) at once "
           f"(global concurrency limit {name}).")
+    return 0
+
+
+def _blocks_apply(args: argparse.Namespace) -> int:
+    import os
+
+    from e31_prefect.block_documents import BlockFileError, apply_blocks, read_block_files
+
+    try:
+        documents = read_block_files(args.paths, os.environ)
+    except BlockFileError as exc:
+        print("Nothing was applied; fix these block files first:", file=sys.stderr)
+        for source, problem in exc.problems:
+            print(f"  {source}: {problem}", file=sys.stderr)
+        return EXIT_INVALID
+    _connect()
+    for line in asyncio.run(apply_blocks(documents)):
+        print(line)
     return 0
 
 
