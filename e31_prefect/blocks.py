@@ -13,7 +13,8 @@ S3 is read back by ``state.result()`` through it.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+from uuid import UUID
 
 import fsspec
 from fsspec.core import url_to_fs
@@ -21,6 +22,9 @@ from prefect._internal.compatibility.async_dispatch import async_dispatch
 from prefect.filesystems import WritableFileSystem
 from prefect.utilities.asyncutils import run_sync_in_worker_thread
 from pydantic import Field, SecretStr, field_validator
+
+if TYPE_CHECKING:
+    from prefect.client.orchestration import PrefectClient
 
 # s3fs options that carry a credential: they belong in the secret fields, never in s3_options.
 CREDENTIAL_OPTIONS = frozenset({
@@ -151,3 +155,21 @@ async def storage_options(name: str | None) -> dict[str, dict[str, Any]] | None:
     if name is None:
         return None
     return (await load_storage(name)).fsspec_options()
+
+
+_default_chain: dict[str, UUID] = {}
+
+
+async def result_block_id(storage: E31Storage | None, client: PrefectClient) -> UUID:
+    """The saved block a caller reads a run's S3 result through.
+
+    The job's own block, or (for a job without one) an anonymous E31 Storage block with no
+    credentials: whoever reads the result then uses s3fs's default credential chain, as the worker did.
+    """
+    if storage is not None and storage._block_document_id is not None:
+        return storage._block_document_id
+    api = str(client.api_url)
+    if api not in _default_chain:
+        # Anonymous blocks are not listed in the UI; one per worker process and server is enough.
+        _default_chain[api] = await E31Storage()._save(is_anonymous=True, client=client)
+    return _default_chain[api]

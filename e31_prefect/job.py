@@ -38,7 +38,7 @@ from e31_prefect import timing
 
 SUPPORTED_SCHEMES = ("file", "s3")
 OUTPUT_PLACEHOLDERS = ("flow_run.id", "flow_run.name", "date", "job")
-JOB_VARIABLE_KEYS = ("team", "timezone", "work", "data", "request", "output")
+JOB_VARIABLE_KEYS = ("team", "timezone", "work", "data", "request", "output", "storage")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 
 Duration = Annotated[
@@ -430,12 +430,26 @@ class Job(BaseModel):
     )
     request: Request = Field(title="Request", description="GPUs, time limit, start and deadline.")
     output: Output = Field(default_factory=Output, title="Output", description="Where outputs go.")
+    storage: str | None = Field(
+        default=None,
+        title="Storage block",
+        description="The E31 Storage block whose credentials read the data and send the outputs "
+        "(`e31 blocks apply blocks/` creates it); empty: s3fs's default credential chain on the worker.",
+        examples=["e31-store"],
+    )
 
     @field_validator("name")
     @classmethod
     def _check_name(cls, value: str) -> str:
         if not _NAME.match(value):
             raise ValueError("must start with a letter or digit and use only letters, digits, '.', '_', '-'")
+        return value
+
+    @field_validator("storage")
+    @classmethod
+    def _check_storage(cls, value: str | None) -> str | None:
+        if value is not None and not re.fullmatch(r"[a-z0-9][a-z0-9-]*", value):
+            raise ValueError("is not a block name; block names use only lowercase letters, digits and '-'")
         return value
 
     @field_validator("timezone")

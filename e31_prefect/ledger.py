@@ -32,6 +32,7 @@ class Holding:
     runtime: str = "process"
     gpus: int = 0
     team: str | None = None
+    storage: str | None = None  # the job's E31 Storage block, to send what it wrote with its credentials
     marks: dict[str, str] = field(default_factory=dict)
     heartbeat: str | None = None
 

@@ -15,6 +15,7 @@ import signal
 from datetime import datetime, timezone
 from pathlib import Path
 from shutil import rmtree
+from typing import Any
 from uuid import UUID
 
 import anyio
@@ -23,6 +24,7 @@ from prefect.exceptions import ObjectNotFound
 from prefect.states import Crashed
 
 from e31_prefect import quotas, reporting
+from e31_prefect.blocks import StorageBlockError, storage_options
 from e31_prefect.ledger import Holding, Ledger
 from e31_prefect.meter import Meter
 from e31_prefect.staging import UploadError, make_writable, spool_outputs, upload_outputs
@@ -80,7 +82,13 @@ async def recover(client: PrefectClient, ledger: Ledger, spool: Path) -> list[UU
             await client.set_flow_run_state(run_id, Crashed(
                 message=f"The e31 worker running this job died (last heartbeat {last_seen}); its "
                 "run was stopped, its devices released and its meter closed at that heartbeat."), force=True)
-        outputs = await anyio.to_thread.run_sync(_send_what_was_written, holding, spool)
+        try:
+            options = await storage_options(holding.storage)
+        except StorageBlockError as exc:
+            # Without the job's credentials its outputs cannot be sent: the spool keeps them.
+            logger.warning("Outputs of %s go to the spool: %s", run_id, exc)
+            options, holding.destination = None, None
+        outputs = await anyio.to_thread.run_sync(_send_what_was_written, holding, spool, options)
         report = reporting.JobReport(client, flow_run, [])
         await report.close(meter, holding.job_name, "worker-lost", outputs)
         report.step("released", recovered=True, billed_seconds=round(meter.billed_seconds, 3))
@@ -94,12 +102,12 @@ async def recover(client: PrefectClient, ledger: Ledger, spool: Path) -> list[UU
     return recovered
 
 
-def _send_what_was_written(holding: Holding, spool: Path) -> str | None:
+def _send_what_was_written(holding: Holding, spool: Path, options: dict[str, Any] | None) -> str | None:
     output_dir = Path(holding.workspace) / "output"
     if not output_dir.exists() or not any(output_dir.rglob("*")):
         return None
     if holding.destination:
         with contextlib.suppress(UploadError):
-            upload_outputs(output_dir, holding.destination, attempts=2)
+            upload_outputs(output_dir, holding.destination, options, attempts=2)
             return holding.destination
     return spool_outputs(output_dir, spool, holding.flow_run_id)

@@ -34,7 +34,8 @@ from prefect.workers.base import BaseVariables, BaseWorkerResult
 from prefect_docker.worker import DockerWorker, DockerWorkerJobConfiguration
 from pydantic import Field, PrivateAttr
 
-from e31_prefect import quotas, reporting, timing
+from e31_prefect import quotas, reporting, results, timing
+from e31_prefect.blocks import E31Storage, StorageBlockError, load_storage
 from e31_prefect.inventory import Device, Inventory, discover, pick_devices
 from e31_prefect.job import JOB_VARIABLE_KEYS, DataInput, Job, JobError, Output, Request, Work, anchor
 from e31_prefect.ledger import Holding, Ledger, this_process
@@ -79,6 +80,10 @@ class E31Variables(BaseVariables):
                                     description="GPUs, time limit, earliest start, deadline, priority.")
     output: Output | None = Field(default=None, title="Output",
                                   description="Where the output dir is sent and what it must hold.")
+    storage: str | None = Field(default=None, title="Storage block",
+                                description="The E31 Storage block whose credentials read the data and send the "
+                                "outputs; empty: s3fs's default credential chain on the worker.",
+                                examples=["e31-store"])
     image_pull_policy: Literal["IfNotPresent", "Always", "IfPossible", "Never"] | None = Field(
         default=None, title="Image pull policy",
         description="For jobs with an image: when the worker pulls it (IfNotPresent for tagged images).",
@@ -103,6 +108,7 @@ class E31JobConfiguration(DockerWorkerJobConfiguration):
     data: list[Any] | None = Field(default=None)
     request: dict[str, Any] | None = Field(default=None)
     output: dict[str, Any] | None = Field(default=None)
+    storage: str | None = Field(default=None)
     gpu_device_requests: containers.GpuRequests = Field(default="auto")
 
     _job_name: str = PrivateAttr(default="job")
@@ -325,6 +331,7 @@ class JobLife:
         self.job_name = configuration._job_name
         self.holding: Holding | None = None
         self.lease: UUID | None = None
+        self.storage: E31Storage | None = None  # the job's storage block, loaded before staging
         self.handed_back = False
         self._started = False
 
@@ -391,8 +398,10 @@ class JobLife:
         data_dir, output_dir = self.workspace / "data", self.workspace / "output"
         output_dir.mkdir(parents=True, exist_ok=True)
         try:
-            staged = await anyio.to_thread.run_sync(stage_inputs, job.data, data_dir, None, self.log)
-        except StagingError as exc:
+            self.storage = await load_storage(job.storage) if job.storage else None
+            options = self.storage.fsspec_options() if self.storage else None
+            staged = await anyio.to_thread.run_sync(stage_inputs, job.data, data_dir, options, self.log)
+        except (StagingError, StorageBlockError) as exc:
             await self._refuse(reporting.STAGING_FAILED, f"Staging failed before any GPU was rented: {exc}")
             return 1
         self.meter.mark("staged", self.now())
@@ -428,7 +437,7 @@ class JobLife:
             flow_run_id=str(self.flow_run.id), worker_pid=worker_pid, worker_started=worker_started,
             job_name=job.name, devices=[d.index for d in devices], workspace=str(self.workspace),
             destination=self._destination(job), runtime="docker" if job.work.image else "process",
-            gpus=len(devices), team=job.team, lease=str(self.lease) if self.lease else None)
+            gpus=len(devices), team=job.team, lease=str(self.lease) if self.lease else None, storage=job.storage)
         self._record()
         seconds = None if limit is None else max(0.0, (limit - self.now()).total_seconds())
         stop = asyncio.Event()
@@ -565,7 +574,8 @@ class JobLife:
     async def _send_outputs(self, job: Job, output_dir: Path) -> None:
         destination = self._destination(job)
         try:
-            sent = await anyio.to_thread.run_sync(upload_outputs, output_dir, destination, None, 3, 1.0, self.log)
+            options = self.storage.fsspec_options() if self.storage else None
+            sent = await anyio.to_thread.run_sync(upload_outputs, output_dir, destination, options, 3, 1.0, self.log)
         except UploadError as exc:
             self.outputs = spool_outputs(output_dir, self.worker.settings.spool, str(self.flow_run.id))
             await self.report.fail(reporting.OUTPUT_NOT_SENT,
@@ -580,6 +590,9 @@ class JobLife:
             await self.report.fail(reporting.OUTPUT_MISSING,
                                    "Expected output missing: " + ", ".join(missing)
                                    + f" (the run wrote {sent.files} file(s) to {destination}).")
+            return
+        await results.point_result_at_outputs(self.worker.client, self.flow_run.id, output_dir, destination,
+                                              self.storage, self.log)
 
     def _destination(self, job: Job) -> str:
         template = job.output.to or f"file://{self.worker.settings.home / 'outputs'}/{{flow_run.id}}/"

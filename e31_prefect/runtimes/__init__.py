@@ -12,6 +12,7 @@ from pathlib import PurePath
 from e31_prefect.dirs import DATA_DIR_VARIABLE, OUTPUT_DIR_VARIABLE
 from e31_prefect.inventory import Device, visible_devices_env
 from e31_prefect.job import Job
+from e31_prefect.results import result_environment
 
 
 @dataclass(frozen=True)
@@ -28,9 +29,11 @@ def job_environment(job: Job, devices: Sequence[Device], data_dir: PurePath | st
                     output_dir: PurePath | str) -> dict[str, str]:
     """What every runtime adds for a job: its own variables, then its devices and dirs.
 
-    The devices and dirs come last so a job cannot widen its own view of the host.
+    The devices and dirs come last so a job cannot widen its own view of the host; the result
+    settings come first so a job may choose its own result storage.
     """
     return {
+        **result_environment(output_dir),
         **job.work.env,
         **visible_devices_env(devices),
         DATA_DIR_VARIABLE: str(data_dir),

@@ -11,6 +11,7 @@ from prefect_docker.worker import DockerWorkerJobConfiguration
 
 from e31_prefect.inventory import Device
 from e31_prefect.job import parse_job
+from e31_prefect.results import result_environment
 from e31_prefect.runtimes import container
 
 H100S = [Device(1, "NVIDIA H100 80GB HBM3"), Device(2, "NVIDIA H100 80GB HBM3")]
@@ -56,6 +57,7 @@ def test_prepared_container_mounts_data_read_only_and_hides_host_environment(tmp
         "PREFECT_API_URL": "http://127.0.0.1:4200/api", "PREFECT__FLOW_RUN_ID": "abc", "SEED": "7",
         "CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "1,2", "NVIDIA_VISIBLE_DEVICES": "1,2",
         "E31_DATA_DIR": "/e31/data", "E31_OUTPUT_DIR": "/e31/output",
+        **result_environment("/e31/output"),  # the flow's result is persisted with its outputs
     }
     assert prepared.mem_limit == prepared.memswap_limit == str(512 * 1024 * 1024)
     assert prepared.labels["e31.job"] == "train"
