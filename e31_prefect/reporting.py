@@ -94,8 +94,10 @@ class JobReport:
         await self.client.create_artifact(ArtifactCreate(
             key=artifact_key("e31-meter", job_name),
             type="table",
-            description=f"E31 meter of {job_name}: billed {meter.billed_seconds:.3f} s on {meter.gpus} GPU(s) "
-            f"= {meter.billed_gpu_seconds:.3f} GPU-seconds (rent and run only)",
+            # The UI's artifact card shows only the first ~45 characters: the bill comes first.
+            description=f"{meter.billed_gpu_seconds:.3f} GPU-seconds billed: {meter.gpus} GPU(s) x "
+            f"{meter.billed_seconds:.3f} s of rent and run"
+            + (f", team {meter.team}" if meter.team else "") + f" (E31 meter of {job_name})",
             data=json.dumps(metering.table(meter)),
             flow_run_id=self.flow_run.id,
         ))
@@ -103,7 +105,7 @@ class JobReport:
             await self.client.create_artifact(ArtifactCreate(
                 key=artifact_key("e31-outputs", job_name),
                 type="markdown",
-                description=f"Outputs of {job_name}",
+                description=f"Outputs of {job_name}: {outputs}",
                 data=f"[{outputs}]({outputs})",
                 flow_run_id=self.flow_run.id,
             ))
