@@ -93,9 +93,17 @@ def matches(device: Device, gpu_type: str | None) -> bool:
 
 
 def pick_devices(free: Sequence[Device], gpus: int, gpu_type: str | None) -> list[Device] | None:
-    """The lowest-indexed ``gpus`` free devices of the right type, or None if they do not fit."""
-    fitting = [d for d in sorted(free) if matches(d, gpu_type)]
-    return fitting[:gpus] if len(fitting) >= gpus else None
+    """The lowest-indexed ``gpus`` free devices of the right type, all one model, or None if they do not fit.
+
+    One model, because a job spread over two models runs at the slower one's pace.
+    """
+    models: dict[str, list[Device]] = {}
+    for device in sorted(free):
+        if matches(device, gpu_type):
+            models.setdefault(device.name, []).append(device)
+    if gpus == 0:
+        return []
+    return next((devices[:gpus] for devices in models.values() if len(devices) >= gpus), None)
 
 
 class Inventory:

@@ -12,13 +12,22 @@ free (up to ``RESERVATION_DEPTH`` runs); a less urgent run may start now only
 on devices it would leave before any reservation begins, so it never delays
 a more urgent run's earliest possible start, and big runs are not starved by
 a stream of small ones.
+
+A run's devices are all one model (a job split across H100s and A100s runs at
+the slower one's pace), so free capacity is planned per model as a count of
+free devices over time. The worker keeps its waiting runs in a
+:class:`WaitingQueue` across polls, so a decision never sorts: the runs past
+their latest start are a prefix of it, and the walk stops once no device is
+idle and no more reservations are made.
 """
 
 from __future__ import annotations
 
 import bisect
 import heapq
-from collections.abc import Callable, Hashable, Iterable, Sequence
+import itertools
+import math
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 
@@ -26,8 +35,6 @@ from e31_prefect.inventory import Device, matches
 
 RESERVATION_DEPTH = 64
 _NO_DEADLINE = datetime.max.replace(tzinfo=timezone.utc)
-_FOREVER = timedelta(days=3650)
-_END_OF_TIME = datetime.max.replace(tzinfo=timezone.utc) - timedelta(days=3651)
 
 
 @dataclass(frozen=True)
@@ -67,60 +74,158 @@ def urgency(run: WaitingRun) -> tuple:
     return (run.latest_start or _NO_DEADLINE, -run.priority, run.scheduled)
 
 
-class _Timeline:
-    """Busy intervals per device, from running runs, runs started now and reservations."""
+class WaitingQueue:
+    """Waiting runs kept in order (urgency by default) as runs come and go, so deciding never sorts.
 
-    def __init__(self, free: Sequence[Device], busy: Sequence[Busy], now: datetime):
-        self.now = now
-        self.intervals: dict[Device, list[tuple[datetime, datetime]]] = {d: [] for d in free}
-        for held in busy:
-            until = now + _FOREVER if held.until is None else max(held.until, now)
-            bisect.insort(self.intervals.setdefault(held.device, []), (now, until))
+    Runs that need no GPU are kept apart: they start at once, whatever their place.
+    """
 
-    def earliest(self, run: WaitingRun, horizon: datetime | None) -> tuple[datetime, list[Device]] | None:
-        """The earliest start (not after ``horizon``) at which ``run.gpus`` devices are free for its duration."""
+    def __init__(self, runs: Iterable[WaitingRun] = (), order: Callable[[WaitingRun], tuple] = urgency):
+        self.order = order
+        self._keys: list[tuple] = []
+        self._runs: list[WaitingRun] = []
+        self._gpuless: dict[Hashable, WaitingRun] = {}
+        self._by_id: dict[Hashable, WaitingRun] = {}
+        self._added = 0
+        self.sync(runs)
+
+    def add(self, run: WaitingRun) -> None:
+        """Put ``run`` in its place (replacing an older version of it)."""
+        if run.id in self._by_id:
+            if self._by_id[run.id] == run:
+                return
+            self.discard(run.id)
+        self._by_id[run.id] = run
         if run.gpus == 0:
-            return self.now, []
-        length = run.duration or _FOREVER
-        windows = {d: self._windows(d, length) for d in self.intervals if matches(d, run.gpu_type)}
-        if len(windows) < run.gpus:
-            return None
-        # Sweep the windows' edges in time order: the first moment inside `gpus` windows is the start.
-        edges = sorted((moment, kind) for ranges in windows.values() for first, last in ranges
-                       for moment, kind in ((first, 0), (last, 1)))
-        inside = 0
-        for moment, kind in edges:
-            if horizon is not None and moment > horizon:
-                return None
-            if kind == 0:
-                inside += 1
-                if inside >= run.gpus:
-                    fitting = sorted(d for d, ranges in windows.items()
-                                     if any(first <= moment <= last for first, last in ranges))
-                    return moment, fitting[: run.gpus]
+            self._gpuless[run.id] = run
+            return
+        self._added += 1
+        key = (*self.order(run), self._added)  # the count keeps equal keys in arrival order
+        at = bisect.bisect(self._keys, key)
+        self._keys.insert(at, key)
+        self._runs.insert(at, run)
+
+    def discard(self, run_id: Hashable) -> None:
+        """Take a run out (started, missed or gone from the pool); unknown ids are ignored."""
+        run = self._by_id.pop(run_id, None)
+        if run is None or self._gpuless.pop(run_id, None) is not None:
+            return
+        at = bisect.bisect_left(self._keys, tuple(self.order(run)))
+        while self._runs[at].id != run_id:
+            at += 1
+        del self._keys[at], self._runs[at]
+
+    def sync(self, runs: Iterable[WaitingRun]) -> None:
+        """Make the queue hold exactly ``runs``: new ones are placed, vanished ones dropped."""
+        current = {run.id: run for run in runs}
+        for gone in [run_id for run_id, run in self._by_id.items() if current.get(run_id) != run]:
+            self.discard(gone)
+        new = [run for run_id, run in current.items() if run_id not in self._by_id]
+        if len(new) > len(self._runs) // 8:
+            # Many newcomers: one sort beats many inserts.
+            for run in new:
+                self._by_id[run.id] = run
+                if run.gpus == 0:
+                    self._gpuless[run.id] = run
+                else:
+                    self._added += 1
+                    self._keys.append((*self.order(run), self._added))
+                    self._runs.append(run)
+            placed = sorted(zip(self._keys, self._runs, strict=True), key=lambda pair: pair[0])
+            self._keys, self._runs = [k for k, _ in placed], [r for _, r in placed]
+        else:
+            for run in new:
+                self.add(run)
+
+    def overdue(self, now: datetime) -> int:
+        """How many of the leading runs are past their latest start (in urgency order they lead)."""
+        if self.order is not urgency:
+            raise ValueError("only a queue in urgency order keeps its overdue runs in front")
+        return bisect.bisect_left(self._keys, (now,))
+
+    @property
+    def gpuless(self) -> list[WaitingRun]:
+        """Waiting runs that need no GPU, in order (few: sorted when asked)."""
+        return sorted(self._gpuless.values(), key=self.order)
+
+    def __iter__(self) -> Iterator[WaitingRun]:
+        return iter(self._runs)
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+
+class _Model:
+    """The devices of one model and how many of them are free from now on: a step function of seconds."""
+
+    def __init__(self, devices: list[Device], idle: list[Device], busy_seconds: list[float]):
+        self.first = min(devices)  # stands for the model: its name, and its place among models
+        self.size = len(devices)
+        self.idle = sorted(idle)  # free at this moment, lowest index first
+        self.times = [0.0]  # seconds from now where the free count changes
+        self.free = [len(idle)]
+        for end in sorted(busy_seconds):
+            if end == self.times[-1]:
+                self.free[-1] += 1
             else:
-                inside -= 1
+                self.times.append(end)
+                self.free.append(self.free[-1] + 1)
+
+    def earliest(self, gpus: int, length: float, horizon: float) -> float | None:
+        """The first time (not after ``horizon``) from which ``gpus`` devices stay free for ``length``."""
+        times, free = self.times, self.free
+        count, index = len(times), 0
+        while index < count:
+            if free[index] < gpus:
+                index += 1
+                continue
+            start = times[index]
+            if start > horizon:
+                return None
+            end = start + length
+            index += 1
+            while index < count and times[index] < end and free[index] >= gpus:
+                index += 1
+            if index == count or times[index] >= end:
+                return start
         return None
 
-    def _windows(self, device: Device, length: timedelta) -> list[tuple[datetime, datetime]]:
-        """The ranges of start times at which ``device`` stays free for ``length``."""
-        ranges, free_from = [], self.now
-        for start, end in self.intervals[device]:
-            if end <= free_from:
-                continue
-            if start - length >= free_from:
-                ranges.append((free_from, start - length))
-            free_from = max(free_from, end)
-        ranges.append((free_from, _END_OF_TIME))
-        return ranges
+    def hold(self, gpus: int, start: float, length: float) -> None:
+        """Count ``gpus`` devices as taken from ``start`` for ``length`` seconds."""
+        first = self._breakpoint(start)
+        last = self._breakpoint(start + length) if length != math.inf else len(self.times)
+        for index in range(first, last):
+            self.free[index] -= gpus
 
-    def hold(self, devices: Sequence[Device], start: datetime, run: WaitingRun) -> None:
-        for device in devices:
-            bisect.insort(self.intervals[device], (start, start + (run.duration or _FOREVER)))
+    def _breakpoint(self, moment: float) -> int:
+        index = bisect.bisect_left(self.times, moment)
+        if index == len(self.times) or self.times[index] != moment:
+            self.times.insert(index, moment)
+            self.free.insert(index, self.free[index - 1])
+        return index
+
+
+def _models(free: Sequence[Device], busy: Sequence[Busy], now: datetime) -> list[_Model]:
+    """The host's devices grouped by model, each with its free count over time."""
+    groups: dict[str, tuple[list[Device], list[Device], list[float]]] = {}
+    for device in free:
+        group = groups.setdefault(device.name, ([], [], []))
+        group[0].append(device)
+        group[1].append(device)
+    for held in busy:
+        group = groups.setdefault(held.device.name, ([], [], []))
+        group[0].append(held.device)
+        group[2].append(math.inf if held.until is None else max(0.0, (held.until - now).total_seconds()))
+    return sorted((_Model(devices, idle, ends) for devices, idle, ends in groups.values()),
+                  key=lambda model: model.first)
+
+
+def _seconds(duration: timedelta | None) -> float:
+    return math.inf if duration is None else duration.total_seconds()
 
 
 def decide(
-    waiting: Iterable[WaitingRun],
+    waiting: WaitingQueue | Iterable[WaitingRun],
     free: Sequence[Device],
     now: datetime,
     busy: Sequence[Busy] = (),
@@ -132,40 +237,57 @@ def decide(
 ) -> Decision:
     """Start, in order of urgency, every run that fits now without delaying a more urgent run's reservation.
 
+    ``waiting`` is a :class:`WaitingQueue` kept across polls, or any runs (then sorted by ``order``).
     With ``backfill=False`` it is plain first fit in the given order: whatever fits now starts.
     ``order`` and ``refuse_missed`` exist so the simulator can replay other policies.
     """
+    queue = waiting if isinstance(waiting, WaitingQueue) else WaitingQueue(waiting, order)
     decision = Decision()
-    timeline = _Timeline(free, busy, now)
-    idle = set(free)  # devices nothing occupies at this moment
+    for run in queue.gpuless:
+        late = refuse_missed and run.latest_start is not None and run.latest_start < now
+        (decision.missed.append(run) if late else decision.start.append((run, [])))
+    models = _models(free, busy, now)
+    idle = sum(len(model.idle) for model in models)
+    runs = iter(queue)
+    if refuse_missed and queue.order is urgency:
+        decision.missed.extend(itertools.islice(runs, queue.overdue(now)))
     reservations = 0
-    ordered = sorted(waiting, key=order)
-    for position, run in enumerate(ordered):
+    for run in runs:
         if refuse_missed and run.latest_start is not None and run.latest_start < now:
             decision.missed.append(run)
             continue
         promising = backfill and reservations < reservation_depth
-        if not idle and not promising:
-            # No GPU can start now and no more promises are made: what remains is missed deadlines
-            # and runs that need no GPU.
-            for rest in ordered[position:]:
-                if refuse_missed and rest.latest_start is not None and rest.latest_start < now:
-                    decision.missed.append(rest)
-                elif rest.gpus == 0:
-                    decision.start.append((rest, []))
-            break
-        found = timeline.earliest(run, horizon=None if promising else now)
+        if not promising and idle == 0:
+            break  # nothing can start now and no more promises are made
+        if not promising and run.gpus > idle:
+            continue
+        found = _earliest(models, run, math.inf if promising else 0.0)
         if found is None:
             continue
-        start, devices = found
-        timeline.hold(devices, start, run)
-        if start == now:
+        model, start = found
+        length = _seconds(run.duration)
+        model.hold(run.gpus, start, length)
+        if start == 0.0:
+            devices, model.idle = model.idle[: run.gpus], model.idle[run.gpus:]
+            idle -= run.gpus
             decision.start.append((run, devices))
-            idle.difference_update(devices)
         else:
-            decision.reserved[run.id] = start
+            decision.reserved[run.id] = now + timedelta(seconds=start)
             reservations += 1
     return decision
+
+
+def _earliest(models: list[_Model], run: WaitingRun, horizon: float) -> tuple[_Model, float] | None:
+    """The model (and the time from now) where ``run`` can start soonest, not after ``horizon``."""
+    best: tuple[_Model, float] | None = None
+    length = _seconds(run.duration)
+    for model in models:
+        if model.size < run.gpus or not matches(model.first, run.gpu_type):
+            continue
+        start = model.earliest(run.gpus, length, horizon if best is None else min(horizon, best[1]))
+        if start is not None and (best is None or start < best[1]):
+            best = (model, start)
+    return best
 
 
 # -- replaying a trace ---------------------------------------------------------------------------
@@ -194,6 +316,8 @@ class SimulationResult:
     utilisation: float
     mean_wait: timedelta
     refused: int
+    # The share of GPU time spent on runs that met their deadline or had none: late work counts for nothing.
+    on_time_utilisation: float = 0.0
 
     @property
     def percent_met(self) -> float:
@@ -219,15 +343,15 @@ def simulate(trace: Sequence[TraceJob], policy: str, gpus: int) -> SimulationRes
     Time jumps from event to event (a submission or a run ending); at each, the policy decides.
     A job's time limit is its real duration, so reservations are exact.
     """
-    settings = POLICIES[policy]
+    settings = dict(POLICIES[policy])
+    waiting = WaitingQueue(order=settings.pop("order"))
     devices = [Device(i, "GPU") for i in range(gpus)]
     arrivals = sorted(trace, key=lambda j: (j.submit, j.id))
     by_id = {job.id: job for job in trace}
-    waiting: dict[int, WaitingRun] = {}
     ends: list[tuple[datetime, int]] = []  # heap of (end, job id)
     held: dict[int, tuple[list[Device], datetime]] = {}
     met = refused = 0
-    busy_seconds = 0.0
+    busy_seconds = on_time_seconds = 0.0
     waits: list[float] = []
     now = arrivals[0].submit if arrivals else datetime.now(timezone.utc)
     start_of_trace, last_end = now, now
@@ -239,20 +363,19 @@ def simulate(trace: Sequence[TraceJob], policy: str, gpus: int) -> SimulationRes
         while index < len(arrivals) and arrivals[index].submit <= now:
             job = arrivals[index]
             index += 1
-            waiting[job.id] = WaitingRun(
+            waiting.add(WaitingRun(
                 job.id, job.gpus, None, job.submit,
                 latest_start=None if job.deadline is None else job.deadline - job.duration,
-                priority=job.priority, duration=job.duration)
+                priority=job.priority, duration=job.duration))
         in_use = {d for devs, _ in held.values() for d in devs}
         busy = [Busy(d, until) for devs, until in held.values() for d in devs]
-        decision = decide(waiting.values(), [d for d in devices if d not in in_use], now, busy,
-                          **settings)
+        decision = decide(waiting, [d for d in devices if d not in in_use], now, busy, **settings)
         for run in decision.missed:
-            del waiting[run.id]
+            waiting.discard(run.id)
             refused += 1
         for run, chosen in decision.start:
             job = by_id[run.id]
-            del waiting[run.id]
+            waiting.discard(run.id)
             end = now + job.duration
             held[job.id] = (chosen, end)
             heapq.heappush(ends, (end, job.id))
@@ -261,6 +384,8 @@ def simulate(trace: Sequence[TraceJob], policy: str, gpus: int) -> SimulationRes
             last_end = max(last_end, end)
             if job.deadline is not None and end <= job.deadline:
                 met += 1
+            if job.deadline is None or end <= job.deadline:
+                on_time_seconds += job.gpus * job.duration.total_seconds()
         upcoming = [t for t in (ends[0][0] if ends else None,
                                 arrivals[index].submit if index < len(arrivals) else None) if t is not None]
         if not upcoming:
@@ -275,4 +400,5 @@ def simulate(trace: Sequence[TraceJob], policy: str, gpus: int) -> SimulationRes
         utilisation=busy_seconds / (gpus * span),
         mean_wait=timedelta(seconds=sum(waits) / len(waits)) if waits else timedelta(0),
         refused=refused,
+        on_time_utilisation=on_time_seconds / (gpus * span),
     )

@@ -44,7 +44,7 @@ from e31_prefect.recovery import recover
 from e31_prefect.runtimes import RunOutcome, job_environment
 from e31_prefect.runtimes import container as containers
 from e31_prefect.runtimes.process import run_process
-from e31_prefect.scheduling import Busy, WaitingRun, decide
+from e31_prefect.scheduling import Busy, WaitingQueue, WaitingRun, decide
 from e31_prefect.settings import E31Settings
 from e31_prefect.staging import (
     StagingError,
@@ -179,6 +179,8 @@ class E31Worker(DockerWorker):
         self._living: set[UUID] = set()
         # When each run holding devices here must have let them go (its time limit), for backfill.
         self.holds_until: dict[UUID, datetime] = {}
+        # The pool's waiting runs in order of urgency, kept across polls so a decision never sorts.
+        self.queue = WaitingQueue()
         # `e31 run` drives a worker for its own run only; `prefect worker start` takes the whole pool.
         self._only_flow_run_ids = only_flow_run_ids
 
@@ -207,7 +209,8 @@ class E31Worker(DockerWorker):
         now = datetime.now(timezone.utc)
         busy = [Busy(device, self.holds_until.get(holder))
                 for device, holder in self.inventory.holders().items()]
-        decision = decide([run for run, _, _ in waiting.values()], self.inventory.free(), now, busy)
+        self.queue.sync(run for run, _, _ in waiting.values())
+        decision = decide(self.queue, self.inventory.free(), now, busy)
         for run in decision.missed:
             await self._refuse_missed(by_id[run.id].flow_run, *waiting[run.id][1:], run.latest_start, now)
         chosen: list[WorkerFlowRunResponse] = []

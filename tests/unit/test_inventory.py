@@ -167,10 +167,12 @@ def test_matches_is_a_case_insensitive_substring(gpu_type, expected):
     assert matches(Device(0, H100_NAME), gpu_type) is expected
 
 
-def test_pick_devices_takes_the_lowest_indexed_of_the_right_type():
+def test_pick_devices_takes_the_lowest_indexed_of_the_right_type_all_one_model():
     free = [Device(3, "H100"), Device(0, "A100"), Device(1, "H100"), Device(2, "H100")]
     assert pick_devices(free, 2, "h100") == [Device(1, "H100"), Device(2, "H100")]
-    assert pick_devices(free, 2, None) == [Device(0, "A100"), Device(1, "H100")]
+    assert pick_devices(free, 2, None) == [Device(1, "H100"), Device(2, "H100")]
+    assert pick_devices(free, 1, None) == [Device(0, "A100")]
+    assert pick_devices([Device(0, "A100"), Device(1, "H100")], 2, None) is None
     assert pick_devices(free, 0, "T4") == []
     assert pick_devices(free, 4, "H100") is None
     assert pick_devices(free, 1, "T4") is None

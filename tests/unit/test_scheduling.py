@@ -264,21 +264,23 @@ def test_randomized_decisions_keep_their_promises(seed: int):
         assert len(given) == len(set(given))
         assert set(given) <= set(free)
 
-        # Every started run got exactly its count, all of its type.
+        # Every started run got exactly its count, all of its type and all one model.
         for started_run, devices in decision.start:
             assert len(devices) == started_run.gpus
             assert all(matches(d, started_run.gpu_type) for d in devices)
+            assert len({d.name for d in devices}) <= 1
 
-        # No skipped run could have fitted in what is left free at the end.
+        # No skipped run could have fitted in what is left free at the end, on any one model.
         left = [d for d in free if d not in given]
         for skipped in waiting:
             if skipped.id in started_ids or skipped.id in missed_ids:
                 continue
-            fitting = [d for d in left if matches(d, skipped.gpu_type)]
-            assert len(fitting) < skipped.gpus, (skipped, left)
+            for model in {d.name for d in left}:
+                fitting = [d for d in left if d.name == model and matches(d, skipped.gpu_type)]
+                assert len(fitting) < skipped.gpus, (skipped, left)
 
-        # Started runs come in order of urgency.
-        keys = [urgency(r) for r, _ in decision.start]
+        # Runs needing GPUs start in order of urgency (runs needing none start at once).
+        keys = [urgency(r) for r, _ in decision.start if r.gpus]
         assert keys == sorted(keys)
 
 
@@ -349,3 +351,77 @@ def test_e31_refuses_a_run_that_can_no_longer_make_it_and_fifo_runs_it_late():
     assert e31.refused == 1 and e31.deadlines_met == 0
     assert fifo.refused == 0 and fifo.deadlines_met == 0
     assert e31.utilisation > fifo.utilisation * 0.99  # the doomed hour is not spent
+
+
+# -- one model per run, the kept queue, and plans that never over-commit -------------------------
+
+from e31_prefect.scheduling import WaitingQueue  # noqa: E402
+
+
+def test_a_run_never_spans_two_models():
+    decision = decide([run("pair", gpus=2)], gpus(A100, H100), NOW)
+    assert decision.start == [] and decision.reserved == {}
+    decision = decide([run("pair", gpus=2)], gpus(A100, H100, H100), NOW)
+    assert placement(decision) == {"pair": [1, 2]}
+
+
+def test_a_run_goes_to_the_model_where_it_starts_soonest():
+    a100, h100s = Device(0, A100), [Device(1, H100), Device(2, H100)]
+    busy = [Busy(a100, NOW + minutes(90)), Busy(h100s[0], NOW + minutes(20))]
+    pair = WaitingRun("pair", 2, None, NOW, latest_start=NOW + minutes(600), duration=minutes(30))
+    decision = decide([pair], [h100s[1]], NOW, busy)
+    assert decision.reserved == {"pair": NOW + minutes(20)}
+
+
+def _random_runs(rng: random.Random, count: int) -> list[WaitingRun]:
+    return [WaitingRun(
+        id=f"run-{i}", gpus=rng.choice([0, 1, 1, 2, 4, 8]), gpu_type=None,
+        scheduled=NOW - timedelta(seconds=i),  # distinct, so the order has no ties
+        latest_start=None if rng.random() < 0.2 else NOW + minutes(rng.randint(-30, 600)),
+        priority=rng.randint(0, 2), duration=None if rng.random() < 0.1 else minutes(rng.randint(1, 240)),
+    ) for i in range(count)]
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_a_queue_kept_across_polls_decides_as_one_built_afresh(seed: int):
+    rng = random.Random(seed)
+    pool = _random_runs(rng, 200)
+    queue = WaitingQueue()
+    for _ in range(30):
+        current = rng.sample(pool, rng.randint(0, 120))
+        if rng.random() < 0.5:
+            queue.sync(current)
+        else:  # runs come and go one at a time between polls
+            for gone in [r.id for r in queue if r not in current] + [r.id for r in queue.gpuless]:
+                queue.discard(gone)
+            for arriving in current:
+                queue.add(arriving)
+        assert len(queue) == len(current)
+        assert [r.id for r in queue] == [r.id for r in sorted((r for r in current if r.gpus), key=urgency)]
+        devices = [Device(i, H100) for i in range(8)]
+        busy = [Busy(d, NOW + minutes(rng.randint(1, 120))) for d in devices[rng.randint(0, 8):]]
+        free = [d for d in devices if d not in {b.device for b in busy}]
+        assert decide(queue, free, NOW, busy) == decide(current, free, NOW, busy)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_plans_never_promise_more_devices_than_exist(seed: int):
+    """Runs started now, running runs and every reservation fit together at every moment."""
+    rng = random.Random(seed)
+    for _ in range(50):
+        devices = [Device(i, H100) for i in range(rng.choice([1, 2, 4, 8]))]
+        busy = [Busy(d, NOW + minutes(rng.randint(1, 300))) for d in devices if rng.random() < 0.6]
+        free = [d for d in devices if d not in {b.device for b in busy}]
+        waiting = [r for r in _random_runs(rng, rng.randint(1, 30)) if r.gpus <= len(devices)]
+        decision = decide(waiting, free, NOW, busy)
+        by_id = {r.id: r for r in waiting}
+        spans = [(NOW, b.until, 1) for b in busy]
+        spans += [(NOW, NOW + (r.duration or timedelta(days=10_000)), r.gpus) for r, _ in decision.start if r.gpus]
+        spans += [(at, at + (by_id[i].duration or timedelta(days=10_000)), by_id[i].gpus)
+                  for i, at in decision.reserved.items()]
+        for moment in {start for start, _, _ in spans}:
+            in_use = sum(gpus for start, end, gpus in spans if start <= moment < end)
+            assert in_use <= len(devices), (moment, decision)
+        # A reservation is for a run that could not start now, and never in the past.
+        assert all(at > NOW for at in decision.reserved.values())
+        assert not set(decision.reserved) & {r.id for r, _ in decision.start}
