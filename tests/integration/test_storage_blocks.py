@@ -174,3 +174,20 @@ def test_the_block_type_registers_for_the_ui(prefect_server):
     with get_client(sync_client=True) as client:
         block_type = client.read_block_type_by_slug("e31-storage")
     assert block_type.name == "E31 Storage" and E31Storage.get_description()
+
+
+def test_the_result_of_a_container_run_reads_back(prefect_server, job_image, tmp_path, pool):
+    job = write_job(tmp_path / "boxed", f"""
+        name: boxed-result
+        work: {{flow: flow.py:inventory, image: {job_image}}}
+        data: [{{from: input.txt}}]
+        request: {{gpus: 0, max_duration: 5m}}
+        output: {{to: ./out/}}
+        """, flow=FLOW)
+    (tmp_path / "boxed" / "input.txt").write_text("boxed")
+    result = cli("e31", "run", str(job), "--pool", pool)
+    assert result.returncode == 0, result.stdout + result.stderr
+    state = read_run(flow_run_id(result.stdout)).state
+    # The container wrote it under its own /e31/output; it is read from where the outputs went.
+    assert Path(state.data.storage_key).parent == tmp_path / "boxed" / "out" / RESULTS_FOLDER
+    assert state.result() == {"files": ["input.txt"], "bytes": 5}
