@@ -191,3 +191,22 @@ def test_the_result_of_a_container_run_reads_back(prefect_server, job_image, tmp
     # The container wrote it under its own /e31/output; it is read from where the outputs went.
     assert Path(state.data.storage_key).parent == tmp_path / "boxed" / "out" / RESULTS_FOLDER
     assert state.result() == {"files": ["input.txt"], "bytes": 5}
+
+
+def test_without_a_block_the_result_reads_back_with_the_callers_default_credentials(
+        prefect_server, s3_server, tmp_path, pool, monkeypatch):
+    fs = store(s3_server)
+    fs.mkdir("chained")
+    job = write_job(tmp_path / "chain", """
+        name: chained-result
+        work: {flow: flow.py:inventory}
+        request: {gpus: 0, max_duration: 5m}
+        output: {to: "s3://chained/{flow_run.id}/"}
+        """, flow=FLOW)
+    result = cli("e31", "run", str(job), "--pool", pool, env=s3_server)
+    assert result.returncode == 0, result.stdout + result.stderr
+    state = read_run(flow_run_id(result.stdout)).state
+    assert state.data.storage_key.startswith("s3://chained/")
+    for name, value in s3_server.items():
+        monkeypatch.setenv(name, value)  # the caller's own default chain, as the worker's was
+    assert state.result() == {"files": [], "bytes": 0}
