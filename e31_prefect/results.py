@@ -11,6 +11,7 @@ the worker's host.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from pathlib import Path, PurePath, PurePosixPath
 from typing import TYPE_CHECKING, Any
@@ -98,3 +99,16 @@ async def point_result_at_outputs(client: PrefectClient, flow_run_id: UUID, outp
         return None
     log.info("The run's result is kept at %s", url)
     return url
+
+
+async def released_result(client: PrefectClient, flow_run_id: UUID, poll_seconds: float = 0.5) -> Any:
+    """A run's return value, once its e31 worker has released it (its meter tags are set).
+
+    Only then does its Completed state point at the copy sent with the outputs; before, it points
+    at the job's own workspace. A run that did not complete raises as ``state.result()`` does.
+    """
+    while True:
+        flow_run = await client.read_flow_run(flow_run_id)
+        if any(tag.startswith("e31:billed-s=") for tag in flow_run.tags) and flow_run.state is not None:
+            return await flow_run.state.aresult()
+        await asyncio.sleep(poll_seconds)

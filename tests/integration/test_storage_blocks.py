@@ -6,6 +6,7 @@ so whatever reached the store used the block's credentials.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -17,7 +18,7 @@ import s3fs
 from prefect import get_client
 
 from e31_prefect.blocks import E31Storage
-from e31_prefect.results import RESULTS_FOLDER
+from e31_prefect.results import RESULTS_FOLDER, released_result
 from tests.integration.conftest import REPO, cli, flow_run_id
 from tests.integration.test_jobs_end_to_end import read_run, write_job
 
@@ -163,9 +164,16 @@ def test_the_result_of_a_run_with_local_outputs_reads_back_on_this_host(prefect_
     (tmp_path / "local" / "input.txt").write_text("hello")
     result = cli("e31", "run", str(job), "--pool", pool)
     assert result.returncode == 0, result.stdout + result.stderr
-    state = read_run(flow_run_id(result.stdout)).state
+    run_id = flow_run_id(result.stdout)
+    state = read_run(run_id).state
     assert Path(state.data.storage_key).parent == tmp_path / "local" / "out" / RESULTS_FOLDER
     assert state.result() == {"files": ["input.txt"], "bytes": 5}
+
+    async def released() -> object:
+        async with get_client() as client:
+            return await released_result(client, run_id)
+
+    assert asyncio.run(released()) == {"files": ["input.txt"], "bytes": 5}
 
 
 def test_the_block_type_registers_for_the_ui(prefect_server):
