@@ -35,6 +35,7 @@ from prefect_docker.worker import DockerWorker, DockerWorkerJobConfiguration
 from pydantic import Field, PrivateAttr
 
 from e31_prefect import quotas, reporting, results, timing
+from e31_prefect import spool as spooling
 from e31_prefect.blocks import E31Storage, StorageBlockError, load_storage
 from e31_prefect.inventory import Device, Inventory, discover, pick_devices
 from e31_prefect.job import JOB_VARIABLE_KEYS, DataInput, Job, JobError, Output, Request, Work, anchor
@@ -51,7 +52,6 @@ from e31_prefect.staging import (
     UploadError,
     make_writable,
     missing_outputs,
-    spool_outputs,
     stage_inputs,
     upload_outputs,
 )
@@ -133,8 +133,7 @@ class E31JobConfiguration(DockerWorkerJobConfiguration):
         super().prepare_for_flow_run(flow_run, deployment, flow, work_pool, worker_name, worker_id=worker_id)
         self._job_name = deployment.name if deployment else flow_run.name
         self._job_folder = job_folder(deployment)
-        path = Path(deployment.path) if deployment and deployment.path else None
-        self._code_folder = path if path is not None and path.is_dir() else None
+        self._code_folder = code_folder(deployment)
 
     def job(self, name: str | None = None) -> Job:
         """The validated job; raises :class:`JobError` naming each bad field.
@@ -143,6 +142,17 @@ class E31JobConfiguration(DockerWorkerJobConfiguration):
         """
         job = Job.from_job_variables({k: getattr(self, k) for k in JOB_VARIABLE_KEYS}, name=name or self._job_name)
         return anchor(job, self._code_folder) if self._code_folder else job
+
+
+def code_folder(deployment: DeploymentResponse | None) -> Path | None:
+    """Where a deployment's code lives on this host: its path, or the folder its pull step moves into
+    (``prefect deploy`` of local code writes a ``set_working_directory`` step)."""
+    if deployment is None:
+        return None
+    folders = [deployment.path] if deployment.path else []
+    folders += [step["prefect.deployments.steps.set_working_directory"].get("directory")
+                for step in deployment.pull_steps or [] if "prefect.deployments.steps.set_working_directory" in step]
+    return next((Path(folder) for folder in folders if folder and Path(folder).is_dir()), None)
 
 
 def job_folder(deployment: DeploymentResponse | None) -> Path | None:
@@ -580,9 +590,14 @@ class JobLife:
             options = self.storage.fsspec_options() if self.storage else None
             sent = await anyio.to_thread.run_sync(upload_outputs, output_dir, destination, options, 3, 1.0, self.log)
         except UploadError as exc:
-            self.outputs = spool_outputs(output_dir, self.worker.settings.spool, str(self.flow_run.id))
-            await self.report.fail(reporting.OUTPUT_NOT_SENT,
-                                   f"Outputs could not be sent ({exc}); they are kept at {self.outputs}.")
+            # Kept with a manifest (destination, storage block name, how the flow ended) for `e31 outputs retry`.
+            state = (await self.worker.client.read_flow_run(self.flow_run.id)).state
+            kept = await anyio.to_thread.run_sync(
+                spooling.keep, output_dir, self.worker.settings.spool, str(self.flow_run.id), destination,
+                job.storage, job.name, state.name if state else None, str(exc))
+            self.outputs = kept.outputs_url
+            await self.report.fail(reporting.OUTPUT_NOT_SENT, kept.message())
+            await spooling.record_kept(self.worker.client, self.flow_run.id, kept)
             return
         self.outputs = destination
         self.meter.mark("output", self.now())

@@ -63,13 +63,14 @@ def pool(request: pytest.FixtureRequest) -> str:
 
 
 def cli(*args: str, gpus: str | None = None, env: dict[str, str] | None = None,
-        timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    """Run a console command (``e31 ...`` or ``prefect ...``) the way a user would."""
+        timeout: float = 240, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """Run a console command (``e31 ...`` or ``prefect ...``) the way a user would, from ``cwd``."""
     full_env = {**os.environ, **(env or {})}
     if gpus is not None:
         full_env["E31_GPUS"] = gpus
     program = shutil.which(args[0], path=str(Path(sys.executable).parent)) or args[0]
-    return subprocess.run([program, *args[1:]], env=full_env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([program, *args[1:]], env=full_env, capture_output=True, text=True, timeout=timeout,
+                          cwd=cwd)
 
 
 def flow_run_id(output: str) -> UUID:
