@@ -71,6 +71,13 @@ def _parser() -> argparse.ArgumentParser:
     blocks_apply.add_argument("paths", nargs="+", type=Path, metavar="PATH")
     blocks_apply.set_defaults(handler=_blocks_apply)
 
+    outputs = commands.add_parser("outputs", help="outputs kept on this host because their store was down")
+    outputs_actions = outputs.add_subparsers(required=True, metavar="ACTION")
+    outputs_retry = outputs_actions.add_parser("retry", help="send a run's kept outputs: e31 outputs retry RUN_ID")
+    outputs_retry.add_argument("run_id", help="the flow run id its OutputNotSent message names")
+    outputs_retry.add_argument("--to", help="send them here instead of the destination on record")
+    outputs_retry.set_defaults(handler=_outputs_retry)
+
     server = commands.add_parser("server", help="the local Prefect server the CLI starts")
     server.add_argument("action", choices=["stop"])
     server.set_defaults(handler=_server)
@@ -214,6 +221,14 @@ def _blocks_apply(args: argparse.Namespace) -> int:
     for line in asyncio.run(apply_blocks(documents)):
         print(line)
     return 0
+
+
+def _outputs_retry(args: argparse.Namespace) -> int:
+    from e31_prefect import spool
+    from e31_prefect.settings import E31Settings
+
+    _connect()
+    return asyncio.run(spool.retry(args.run_id, E31Settings().spool, args.to))
 
 
 def _server(args: argparse.Namespace) -> int:

@@ -5,10 +5,22 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+_SIZE = re.compile(r"^(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?$", re.IGNORECASE)
+
+
+def parse_bytes(text: str) -> int:
+    """Bytes in ``1048576``, ``512m``, ``200g``, ``2Ti`` (powers of 1024)."""
+    match = _SIZE.match(text.strip())
+    if not match:
+        raise ValueError(f"{text!r} is not a size; write bytes or a size such as 512m, 200g or 2Ti")
+    number, unit = match.groups()
+    return int(float(number) * 1024 ** " kmgt".index(unit.lower() or " "))
 
 
 class E31Settings(BaseSettings):
@@ -34,11 +46,26 @@ class E31Settings(BaseSettings):
     keep_workspaces: bool = Field(
         default=False, description="Keep each run's workspace after release (for debugging)."
     )
+    cache_bytes: int = Field(
+        default=50 * 2**30,
+        description="Size bound of the host's content cache of staged inputs (bytes, or 200g, 500Gi); "
+        "least recently used entries go first. 0 turns the cache off.",
+    )
+
+    @field_validator("cache_bytes", mode="before")
+    @classmethod
+    def _size(cls, value: object) -> object:
+        return parse_bytes(value) if isinstance(value, str) else value
 
     @property
     def workspaces(self) -> Path:
         """One folder per flow run: data/ and output/."""
         return self.home.expanduser() / "workspaces"
+
+    @property
+    def cache(self) -> Path:
+        """The host's content cache of staged inputs, shared by every worker on the host."""
+        return self.home.expanduser() / "cache"
 
     @property
     def spool(self) -> Path:

@@ -1,31 +1,38 @@
 """Data in and outputs out, through fsspec (``file://``) and s3fs (``s3://``).
 
-Inputs are copied into the run's workspace before any GPU is rented and
-verified (size, and SHA-256 where the job gives one); outputs are sent from
-host disk after the devices are back in the pool, verified, and retried. A
-destination that stays down leaves the outputs on disk and says where.
+Inputs are copied into the run's workspace before any GPU is rented: many at
+once, each verified (size; the MD5 where the object's ETag is one; SHA-256
+where the job gives one), S3 objects through the host's content cache
+(:mod:`e31_prefect.cache`), with progress in the run's log. Outputs are sent
+from host disk after the devices are back in the pool, many at once, verified
+and retried with backoff; a destination that stays down leaves them in the
+spool (:mod:`e31_prefect.spool`) for ``e31 outputs retry``.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-import os
-import shutil
 import stat
+import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
-import fsspec
-from fsspec.core import url_to_fs
-
+from e31_prefect import store
+from e31_prefect.cache import ContentCache, cache_key, check, etag_md5
 from e31_prefect.job import DataInput
 
-TRANSFER_THREADS = 8
+# Many small objects cost a round trip each: enough threads keep the store busy while some wait.
+STAGE_THREADS = 16
+SEND_THREADS = 16
+PROGRESS_SECONDS = 5.0
+GET_ATTEMPTS = 3
+
+Log = logging.Logger | logging.LoggerAdapter
 
 
 class StagingError(RuntimeError):
@@ -38,11 +45,13 @@ class UploadError(RuntimeError):
 
 @dataclass(frozen=True)
 class Transfer:
-    """What a staging or upload moved: files, bytes and seconds."""
+    """What a staging or upload moved: files, bytes and seconds (and what came from the host's cache)."""
 
     files: int
     bytes: int
     seconds: float
+    cached_files: int = 0
+    downloaded_bytes: int = 0
 
     @property
     def megabytes_per_second(self) -> float:
@@ -50,89 +59,170 @@ class Transfer:
         return self.bytes / 1e6 / self.seconds if self.seconds > 0 else 0.0
 
     def __str__(self) -> str:
-        return (f"{self.files} file(s), {self.bytes / 1e6:.2f} MB in {self.seconds:.2f} s "
+        text = (f"{self.files} file(s), {self.bytes / 1e6:.2f} MB in {self.seconds:.2f} s "
                 f"({self.megabytes_per_second:.1f} MB/s)")
+        if self.cached_files:
+            text += (f"; {self.cached_files} from the host's cache, "
+                     f"{self.downloaded_bytes / 1e6:.2f} MB downloaded")
+        return text
 
 
-def _filesystem(url: str, options: dict[str, Any] | None) -> tuple[fsspec.AbstractFileSystem, str]:
-    scheme = url.split("://", 1)[0] if "://" in url else "file"
-    return url_to_fs(url, **((options or {}).get(scheme, {})))
+class Progress:
+    """Counts files and bytes as they move and logs them every few seconds (thread-safe)."""
+
+    def __init__(self, verb: str, files: int, total: int, log: Log | None, every: float = PROGRESS_SECONDS):
+        self.verb, self.files_total, self.bytes_total = verb, files, total
+        self.log, self.every = log, every
+        self.files = self.bytes = 0
+        self.started = self._logged = time.monotonic()
+        self._lock = threading.Lock()
+
+    def add_bytes(self, count: int) -> None:
+        """Bytes arrived (called per chunk)."""
+        with self._lock:
+            self.bytes += count
+        self._maybe_log()
+
+    def file_done(self, size: int, counted: bool = False) -> None:
+        """A file is in place; ``counted``: its bytes were already added chunk by chunk."""
+        with self._lock:
+            self.files += 1
+            if not counted:
+                self.bytes += size
+        self._maybe_log()
+
+    def _maybe_log(self) -> None:
+        now = time.monotonic()
+        if self.log is None or now - self._logged < self.every:
+            return
+        with self._lock:
+            if now - self._logged < self.every:
+                return
+            self._logged = now
+            files, done = self.files, self.bytes
+        seconds = now - self.started
+        self.log.info("%s %d/%d file(s), %.1f/%.1f MB, %.1f MB/s", self.verb, files, self.files_total,
+                      done / 1e6, self.bytes_total / 1e6, done / 1e6 / seconds if seconds else 0.0)
 
 
-def _copy_all(pairs: list[tuple[Callable[[], None], str]]) -> None:
-    """Run the copies concurrently; the first failure is raised once all have stopped."""
-    with ThreadPoolExecutor(max_workers=TRANSFER_THREADS) as pool:
-        futures = [(pool.submit(copy), label) for copy, label in pairs]
-        for future, label in futures:
-            try:
-                future.result()
-            except StagingError:
-                raise
-            except Exception as exc:
-                raise StagingError(f"{label}: {_cause(exc)}") from exc
+@dataclass(frozen=True)
+class _Item:
+    fs: Any
+    obj: store.Listed
+    local: Path
+    label: str
+    sha256: str | None
 
 
-def _cause(exc: BaseException) -> str:
-    text = str(exc) or type(exc).__name__
-    return f"{type(exc).__name__}: {text}" if type(exc).__name__ not in text else text
+def host_cache() -> ContentCache | None:
+    """This host's content cache, from the settings (None when E31_CACHE_BYTES is 0)."""
+    from e31_prefect.settings import E31Settings
+
+    settings = E31Settings()
+    return ContentCache(settings.cache, settings.cache_bytes) if settings.cache_bytes > 0 else None
 
 
 def stage_inputs(
     inputs: Iterable[DataInput],
     data_dir: Path,
     options: dict[str, Any] | None = None,
-    log: logging.Logger | logging.LoggerAdapter | None = None,
+    log: Log | None = None,
+    cache: ContentCache | bool = True,
 ) -> Transfer:
-    """Copy every input under ``data_dir``, verify it, and make the tree read-only."""
+    """Copy every input under ``data_dir``, verify it, and make the tree read-only.
+
+    ``options``: fsspec options by URL scheme. ``cache``: True for the host's content cache,
+    False for none, or a :class:`ContentCache`. S3 objects go through the cache; ``file://``
+    inputs are copied directly (they are on this host already, and a local file has no content
+    tag: size and mtime could take a file rewritten within the same second for the old one).
+    """
     started = time.monotonic()
+    content_cache = host_cache() if cache is True else (cache or None)
+    before = (content_cache.counters.hits, content_cache.counters.hit_bytes) if content_cache else (0, 0)
     data_dir.mkdir(parents=True, exist_ok=True)
-    copies: list[tuple[Callable[[], None], str]] = []
-    total = 0
-    for item in inputs:
-        fs, root = _filesystem(item.source, options)
-        try:
-            listing = _listing(fs, root)
-        except FileNotFoundError:
-            raise StagingError(f"data {item.source}: not found; check the URL") from None
-        except Exception as exc:
-            raise StagingError(f"data {item.source}: {_cause(exc)}") from exc
-        single = len(listing) == 1 and listing[0][0] == root
-        if item.size is not None and single and listing[0][1] != item.size:
-            raise StagingError(f"data {item.source}: is {listing[0][1]} bytes, the job expects {item.size}")
-        for remote, size in listing:
-            relative = "" if single else os.path.relpath(remote, root)
-            local = data_dir / item.target / relative if relative else data_dir / item.target
-            copies.append((_copier(fs, remote, local, size, item.sha256 if single else None),
-                           f"data {item.source}"))
-            total += size
-    _copy_all(copies)
+    items = _plan(inputs, data_dir, options)
+    total = sum(item.obj.size for item in items)
+    progress = Progress("Staging:", len(items), total, log)
+    if log:
+        log.info("Staging %d file(s), %.1f MB into %s", len(items), total / 1e6, data_dir)
+    with ThreadPoolExecutor(max_workers=STAGE_THREADS) as pool:
+        results = [pool.submit(_stage_one, item, content_cache, progress) for item in items]
+        failure = None
+        for future in results:
+            try:
+                future.result()
+            except StagingError as exc:
+                failure = failure or exc
+    if failure:
+        raise failure
+    if content_cache:
+        content_cache.trim()
     _make_read_only(data_dir)
-    result = Transfer(len(copies), total, time.monotonic() - started)
+    hits, hit_bytes = ((content_cache.counters.hits - before[0], content_cache.counters.hit_bytes - before[1])
+                       if content_cache else (0, 0))
+    result = Transfer(len(items), total, time.monotonic() - started, hits, total - hit_bytes)
     if log:
         log.info("Staged %s", result)
     return result
 
 
-def _listing(fs: fsspec.AbstractFileSystem, root: str) -> list[tuple[str, int]]:
-    """Every file under ``root`` (or ``root`` itself) with its size."""
-    if fs.isdir(root):
-        found = fs.find(root, detail=True)
-        return sorted((path, int(info.get("size") or 0)) for path, info in found.items()
-                      if info.get("type") != "directory")
-    info = fs.info(root)
-    return [(root, int(info.get("size") or 0))]
+def _plan(inputs: Iterable[DataInput], data_dir: Path, options: dict[str, Any] | None) -> list[_Item]:
+    """Each object to stage and where it goes; bad input fails here, before anything is copied."""
+    items = []
+    for item in inputs:
+        fs, root = store.filesystem(item.source, options)
+        prefix = item.source.endswith("/")
+        try:
+            listed, single = store.listing(fs, root.rstrip("/") if prefix else root, prefix)
+        except Exception as exc:
+            raise StagingError("data " + store.explain(item.source, exc, fs)) from None
+        if item.size is not None and single and listed[0].size != item.size:
+            raise StagingError(f"data {item.source}: is {listed[0].size} bytes, the job expects {item.size}; "
+                               "check the URL or the job's size")
+        base = root.rstrip("/")
+        for obj in listed:
+            relative = "" if single else PurePosixPath(obj.path).relative_to(base).as_posix()
+            local = data_dir / item.target / relative if relative else data_dir / item.target
+            items.append(_Item(fs, obj, local, f"data {item.source}", item.sha256 if single else None))
+    return items
 
 
-def _copier(fs, remote: str, local: Path, size: int, sha256: str | None) -> Callable[[], None]:
-    def copy() -> None:
-        local.parent.mkdir(parents=True, exist_ok=True)
-        fs.get_file(remote, str(local))
-        got = local.stat().st_size
-        if got != size:
-            raise StagingError(f"{remote}: copied {got} bytes of {size}; the transfer was cut short")
-        if sha256 and _sha256(local) != sha256:
-            raise StagingError(f"{remote}: SHA-256 differs from the job's sha256; the data changed or is corrupt")
-    return copy
+def _stage_one(item: _Item, content_cache: ContentCache | None, progress: Progress) -> None:
+    url = f"s3://{item.obj.path}" if store.is_s3(item.fs) else item.obj.path
+    for attempt in range(1, GET_ATTEMPTS + 1):
+        try:
+            _fetch(item, content_cache, progress)
+            break
+        except (FileNotFoundError, PermissionError) as exc:
+            raise StagingError(f"{item.label}: " + store.explain(url, exc, item.fs)) from None
+        except Exception as exc:
+            if attempt == GET_ATTEMPTS:
+                raise StagingError(f"{item.label}: {store.explain(url, exc, item.fs)} "
+                                   f"(after {GET_ATTEMPTS} attempts)") from None
+            time.sleep(0.5 * attempt)
+    if item.sha256 and _sha256(item.local) != item.sha256:
+        raise StagingError(f"{item.label}: SHA-256 differs from the job's sha256; the data changed or is corrupt")
+
+
+def _fetch(item: _Item, content_cache: ContentCache | None, progress: Progress) -> None:
+    obj = item.obj
+    if not store.is_s3(item.fs):
+        item.local.parent.mkdir(parents=True, exist_ok=True)
+        item.fs.get_file(obj.path, str(item.local))
+        check(item.local, obj.size, None)
+        progress.file_done(obj.size)
+        return
+
+    def download(path: Path) -> str | None:
+        return store.get_object(item.fs, obj, path, progress.add_bytes)
+
+    if content_cache is None or not obj.etag:
+        check(item.local, obj.size, etag_md5(obj.etag), download(item.local))
+        progress.file_done(obj.size, counted=True)
+        return
+    key = cache_key(obj.etag, obj.size, f"s3://{obj.path}")
+    hit = content_cache.provide(key, obj.size, item.local, download, etag_md5(obj.etag))
+    progress.file_done(obj.size, counted=not hit)
 
 
 def _sha256(path: Path) -> str:
@@ -151,11 +241,15 @@ def _make_read_only(root: Path) -> None:
 
 
 def make_writable(root: Path) -> None:
-    """Give write bits back so a workspace can be removed."""
+    """Give folders their write bits back so a workspace can be removed.
+
+    Only folders: removing a file needs its folder writable, not the file, and a staged file may
+    be a hard link to a cache entry, which stays read-only.
+    """
     if not root.exists():
         return
     for path in [root, *root.rglob("*")]:
-        if not path.is_symlink():
+        if path.is_dir() and not path.is_symlink():
             path.chmod(path.stat().st_mode | stat.S_IWUSR)
 
 
@@ -164,12 +258,12 @@ def missing_outputs(output_dir: Path, expect: Iterable[str]) -> list[str]:
     return [name for name in expect if not (output_dir / name).exists()]
 
 
-def spool_outputs(output_dir: Path, spool: Path, flow_run_id: str) -> str:
+def spool_outputs(output_dir: Path, spool: Path, flow_run_id: str, destination: str | None = None,
+                  storage: str | None = None, **details: Any) -> str:
     """Keep outputs that could not be sent under the host's spool; returns their ``file://`` URL."""
-    kept = spool / flow_run_id
-    kept.parent.mkdir(parents=True, exist_ok=True)
-    shutil.move(str(output_dir), str(kept))
-    return f"file://{kept}/"
+    from e31_prefect import spool as spooling
+
+    return spooling.keep(output_dir, spool, flow_run_id, destination, storage, **details).outputs_url
 
 
 def upload_outputs(
@@ -178,37 +272,56 @@ def upload_outputs(
     options: dict[str, Any] | None = None,
     attempts: int = 3,
     backoff_seconds: float = 1.0,
-    log: logging.Logger | logging.LoggerAdapter | None = None,
+    log: Log | None = None,
 ) -> Transfer:
-    """Send every file under ``output_dir`` to ``destination``, verify sizes, retry with backoff."""
+    """Send every file under ``output_dir`` to ``destination``, many at once, verified, retried with backoff.
+
+    An attempt stops at its first failure (a store that is down fails every file alike); the next
+    one sends only the files not yet verified in the store.
+    """
     started = time.monotonic()
     files = sorted(p for p in output_dir.rglob("*") if p.is_file())
-    fs, root = _filesystem(destination, options)
+    total = sum(p.stat().st_size for p in files)
+    fs, root = store.filesystem(destination, options)
     root = root.rstrip("/")
+    progress = Progress("Sending outputs:", len(files), total, log)
+    pending = files
     for attempt in range(1, attempts + 1):
-        try:
-            _send(fs, files, output_dir, root)
+        pending, error = _send(fs, pending, output_dir, root, progress)
+        if not pending:
             break
-        except Exception as exc:
-            if attempt == attempts:
-                raise UploadError(f"output {destination}: {_cause(exc)} (after {attempts} attempts)") from exc
-            if log:
-                log.warning("Sending outputs to %s failed (%s); retrying", destination, _cause(exc))
-            time.sleep(backoff_seconds * 2 ** (attempt - 1))
-    result = Transfer(len(files), sum(p.stat().st_size for p in files), time.monotonic() - started)
+        cause = store.explain(destination, error, reading=False) if error else "not sent"
+        if attempt == attempts:
+            raise UploadError(f"output {cause} ({len(pending)} of {len(files)} file(s) not sent "
+                              f"after {attempts} attempts)")
+        if log:
+            log.warning("Sending outputs failed (%s); %d file(s) left, retrying", cause, len(pending))
+        time.sleep(backoff_seconds * 2 ** (attempt - 1))
+    result = Transfer(len(files), total, time.monotonic() - started)
     if log:
         log.info("Sent outputs to %s: %s", destination, result)
     return result
 
 
-def _send(fs: fsspec.AbstractFileSystem, files: list[Path], base: Path, root: str) -> None:
-    def put(path: Path) -> None:
-        remote = f"{root}/{path.relative_to(base).as_posix()}"
-        fs.makedirs(remote.rsplit("/", 1)[0], exist_ok=True)
-        fs.put_file(str(path), remote)
-        if int(fs.info(remote)["size"]) != path.stat().st_size:
-            raise UploadError(f"{remote}: size differs after upload")
+def _send(fs: Any, files: list[Path], base: Path, root: str,
+          progress: Progress) -> tuple[list[Path], BaseException | None]:
+    """Send ``files``; returns those not sent and the first error."""
+    stop = threading.Event()
+    errors: list[BaseException] = []
 
-    with ThreadPoolExecutor(max_workers=TRANSFER_THREADS) as pool:
-        list(pool.map(put, files))
+    def put(path: Path) -> bool:
+        if stop.is_set():
+            return False
+        try:
+            store.put_file(fs, path, f"{root}/{path.relative_to(base).as_posix()}")
+        except Exception as exc:
+            errors.append(exc)
+            stop.set()
+            return False
+        progress.file_done(path.stat().st_size)
+        return True
+
+    with ThreadPoolExecutor(max_workers=SEND_THREADS) as pool:
+        sent = list(pool.map(put, files))
     fs.invalidate_cache()
+    return [path for path, ok in zip(files, sent, strict=True) if not ok], errors[0] if errors else None

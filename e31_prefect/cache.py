@@ -1,0 +1,274 @@
+"""The host's content cache: an object staged once is linked, not downloaded, the next time.
+
+    E31_CACHE_BYTES=200g prefect worker start --pool gpu --type e31
+
+Entries are keyed on what the store says about an object's content (its ETag
+and size), so a nightly job re-reading an unchanged data set downloads nothing.
+An entry is hard-linked into a run's workspace (copied when the cache and the
+workspace are on different filesystems). The cache keeps to a size bound by
+evicting the least recently used entries, never one that a running job holds
+(it is linked into a workspace) or that is being linked or filled right now.
+
+Two jobs, in threads or in separate worker processes on the host, that need the
+same object at once download it once: a file lock per key prefix (``fcntl.flock``,
+which also separates threads of one process) lets one fill the entry while the
+other waits, then links it. Only verified bytes enter the cache: the filler
+checks the size and, where the ETag is a plain MD5, the MD5 before the entry
+appears (by an atomic rename), so a bad download never becomes an entry.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import os
+import re
+import shutil
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+# Every entry carries this modification time; an entry whose mtime differs was written to
+# through a workspace link (a job running as root ignores the read-only bits) and is dropped.
+ENTRY_MTIME_NS = 946_684_800 * 10**9  # 2000-01-01T00:00:00Z
+LOCK_PREFIX = 3  # hex digits of the key that name its lock
+_MD5_ETAG = re.compile(r"^[0-9a-f]{32}$")
+_MULTIPART_ETAG = re.compile(r"^[0-9a-f]{32}-\d+$")
+
+
+def plain_etag(etag: str | None) -> str | None:
+    """The ETag without quotes and in lower case; None when the store gave none."""
+    if not etag:
+        return None
+    return etag.strip().strip('"').lower() or None
+
+
+def etag_md5(etag: str | None) -> str | None:
+    """The object's MD5 when its ETag is one (a single-part upload); None for multipart or opaque ETags."""
+    value = plain_etag(etag)
+    return value if value and _MD5_ETAG.match(value) else None
+
+
+def cache_key(etag: str, size: int, url: str) -> str:
+    """The cache key of an object: its ETag and size.
+
+    S3's ETags are MD5-based (plain, or ``md5-parts`` for multipart uploads), so the same ETag and
+    size mean the same bytes wherever the object lives, and two buckets holding one data set share
+    entries. A store whose ETags are not MD5-based (opaque version tags) gets the URL in the key too,
+    so two of its objects can never be taken for each other.
+    """
+    value = plain_etag(etag) or ""
+    content_addressed = bool(_MD5_ETAG.match(value) or _MULTIPART_ETAG.match(value))
+    identity = f"{value}:{size}" if content_addressed else f"{value}:{size}:{url}"
+    return hashlib.sha256(identity.encode()).hexdigest()[:40]
+
+
+@dataclass(frozen=True)
+class Entry:
+    """What eviction needs to know about one cache entry."""
+
+    key: str
+    size: int
+    last_used: float
+    in_use: bool
+
+
+def plan_eviction(entries: list[Entry], bound: int) -> list[str]:
+    """Keys to evict, least recently used first, until the entries fit ``bound`` bytes.
+
+    Entries in use (linked into a running job's workspace, or being linked or filled) are never
+    chosen: removing them would free nothing, or pull bytes from under a job. The cache may so
+    stay above its bound until those jobs end.
+    """
+    total = sum(e.size for e in entries)
+    victims = []
+    for entry in sorted(entries, key=lambda e: (e.last_used, e.key)):
+        if total <= bound:
+            break
+        if entry.in_use:
+            continue
+        victims.append(entry.key)
+        total -= entry.size
+    return victims
+
+
+class CacheCorrupt(RuntimeError):
+    """A download did not match what the store said about the object; it never entered the cache."""
+
+
+@dataclass
+class CacheCounters:
+    """What one staging took from the cache and what it downloaded."""
+
+    hits: int = 0
+    hit_bytes: int = 0
+    downloads: int = 0
+    downloaded_bytes: int = 0
+
+
+class ContentCache:
+    """A folder of verified objects keyed by (ETag, size), bounded, shared by every worker on the host."""
+
+    def __init__(self, root: Path, bound_bytes: int):
+        self.root = root
+        self.bound_bytes = bound_bytes
+        self.objects = root / "objects"
+        self.locks = root / "locks"
+        self.incoming = root / "incoming"
+        for folder in (self.objects, self.locks, self.incoming):
+            folder.mkdir(parents=True, exist_ok=True)
+        self.counters = CacheCounters()
+        self._counting = threading.Lock()
+
+    def _lock_file(self, key: str) -> Path:
+        # One lock per key prefix (4,096 of them), made once per host: creating a lock file per
+        # object would cost as much as the object's own file. Two objects sharing a prefix only
+        # wait for each other while one of them is being filled.
+        return self.locks / key[:LOCK_PREFIX]
+
+    @contextlib.contextmanager
+    def _locked(self, key: str, exclusive: bool) -> Iterator[None]:
+        # flock locks belong to an open file description, so two threads of one process that each
+        # open the lock file exclude each other exactly as two processes do.
+        fd = os.open(self._lock_file(key), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+            yield
+        finally:
+            os.close(fd)  # closing releases the lock
+
+    def _count(self, hit: bool, size: int) -> None:
+        with self._counting:
+            if hit:
+                self.counters.hits += 1
+                self.counters.hit_bytes += size
+            else:
+                self.counters.downloads += 1
+                self.counters.downloaded_bytes += size
+
+    def provide(self, key: str, size: int, target: Path, fill: Callable[[Path], str | None],
+                md5: str | None = None) -> bool:
+        """Put the object ``key`` at ``target``: linked from the cache, or downloaded by ``fill`` first.
+
+        ``fill(path)`` writes the object to ``path`` and returns the MD5 of what it wrote if it
+        computed one on the way (else None, and the file is read again when ``md5`` is given). The
+        bytes are checked against ``size`` and ``md5`` before they become an entry. Returns True on
+        a cache hit.
+        """
+        with self._locked(key, exclusive=False):
+            if self._link(key, size, target):
+                self._count(True, size)
+                return True
+        with self._locked(key, exclusive=True):
+            # Whoever held the lock before us may have filled it: then we only link.
+            if self._link(key, size, target):
+                self._count(True, size)
+                return True
+            incoming = self.incoming / f"{key}.{os.getpid()}.{threading.get_ident()}"
+            try:
+                check(incoming, size, md5, fill(incoming))
+                incoming.chmod(0o444)
+                os.utime(incoming, ns=(time.time_ns(), ENTRY_MTIME_NS))
+                if size > self.bound_bytes:
+                    # Larger than the whole cache: staged, never kept.
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    os.replace(incoming, target)
+                else:
+                    os.replace(incoming, self.objects / key)
+                    if not self._link(key, size, target):
+                        raise CacheCorrupt(f"cache entry {key} vanished while it was being linked")
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    incoming.unlink()
+            self._count(False, size)
+            return False
+
+    def _link(self, key: str, size: int, target: Path) -> bool:
+        entry = self.objects / key
+        try:
+            found = entry.stat()
+        except FileNotFoundError:
+            return False
+        if found.st_size != size or found.st_mtime_ns != ENTRY_MTIME_NS:
+            # Changed through a workspace link: it is not the object any more.
+            entry.unlink(missing_ok=True)
+            return False
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            target.unlink()
+        try:
+            os.link(entry, target)
+        except OSError as exc:
+            if exc.errno not in (errno.EXDEV, errno.EMLINK, errno.EPERM):
+                raise
+            shutil.copyfile(entry, target)  # another filesystem: a copy, still no download
+        os.utime(entry, ns=(time.time_ns(), ENTRY_MTIME_NS))  # atime: last use, for eviction
+        return True
+
+    def entries(self) -> list[Entry]:
+        """Every entry, with its size, last use and whether a workspace holds it."""
+        found = []
+        for path in self.objects.iterdir():
+            with contextlib.suppress(FileNotFoundError):
+                info = path.stat()
+                found.append(Entry(path.name, info.st_size, info.st_atime, info.st_nlink > 1))
+        return found
+
+    @property
+    def size(self) -> int:
+        """Bytes the entries take."""
+        return sum(e.size for e in self.entries())
+
+    def trim(self) -> list[str]:
+        """Evict least recently used entries until the cache fits its bound; returns the keys evicted."""
+        evicted = []
+        for key in plan_eviction(self.entries(), self.bound_bytes):
+            fd = os.open(self._lock_file(key), os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue  # being linked or filled right now
+                entry = self.objects / key
+                with contextlib.suppress(FileNotFoundError):
+                    if entry.stat().st_nlink == 1:
+                        entry.unlink()
+                        evicted.append(key)
+            finally:
+                os.close(fd)
+        self._sweep_incoming()
+        return evicted
+
+    def _sweep_incoming(self, older_than_s: float = 24 * 3600) -> None:
+        # Partial downloads of a worker killed mid-fill; a day old is surely abandoned.
+        cutoff = time.time() - older_than_s
+        for path in self.incoming.iterdir():
+            with contextlib.suppress(FileNotFoundError):
+                if path.stat().st_mtime < cutoff:
+                    path.unlink()
+
+
+def check(path: Path, size: int, md5: str | None, computed_md5: str | None = None) -> None:
+    """Raise :class:`CacheCorrupt` unless the file has ``size`` bytes and, when ``md5`` is given, that MD5.
+
+    ``computed_md5`` is the digest taken while the bytes arrived; without it the file is read again.
+    """
+    got = path.stat().st_size
+    if got != size:
+        raise CacheCorrupt(f"got {got} bytes of {size}; the transfer was cut short")
+    if md5 and (computed_md5 or file_md5(path)) != md5:
+        raise CacheCorrupt(f"the MD5 of the bytes received differs from the object's ETag {md5}; "
+                           "the data was corrupted in transit")
+
+
+def file_md5(path: Path) -> str:
+    """The MD5 of a file, read in 8 MiB blocks."""
+    digest = hashlib.md5()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(8 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()

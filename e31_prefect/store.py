@@ -1,0 +1,231 @@
+"""Talking to an object store through fsspec/s3fs: list, get and put objects, and say what its errors mean.
+
+Used by staging (``stage_inputs``) and output sending (``upload_outputs``).
+An S3 object is fetched with one GET (ranged concurrent parts when large),
+pinned to the ETag its listing gave, and written and hashed as it arrives. A
+small output is sent with one PUT that carries its MD5, so the store itself
+refuses bytes damaged on the way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import fsspec
+from fsspec.asyn import sync
+from fsspec.core import url_to_fs
+
+from e31_prefect.cache import etag_md5, file_md5, plain_etag
+
+CHUNK_BYTES = 1 << 20
+# Objects this large come in ranged parts fetched at once: one GET stream is slower than the
+# store's bandwidth. Smaller ones are fetched whole: many of them at once already fill the pipe.
+RANGED_MIN_BYTES = 64 << 20
+PART_BYTES = 16 << 20
+PARTS_AT_ONCE = 8
+SINGLE_PUT_MAX_BYTES = 16 << 20
+POOL_CONNECTIONS = 64
+
+
+@dataclass(frozen=True)
+class Listed:
+    """One object of a listing: where it is, its size and ETag (None where the store has none)."""
+
+    path: str
+    size: int
+    etag: str | None
+
+
+def filesystem(url: str, options: dict[str, Any] | None) -> tuple[fsspec.AbstractFileSystem, str]:
+    """The fsspec filesystem for a URL, with the options given for its scheme, and the path in it."""
+    scheme = url.split("://", 1)[0] if "://" in url else "file"
+    kwargs = dict((options or {}).get(scheme, {}))
+    if scheme == "s3":
+        # Enough pooled connections for the transfers staging runs at once (botocore's default is 10).
+        config = dict(kwargs.get("config_kwargs") or {})
+        config.setdefault("max_pool_connections", POOL_CONNECTIONS)
+        kwargs["config_kwargs"] = config
+    return url_to_fs(url, **kwargs)
+
+
+def is_s3(fs: fsspec.AbstractFileSystem) -> bool:
+    """Whether ``fs`` is s3fs (so objects have ETags and the S3 calls below apply)."""
+    return "s3" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
+
+
+def listing(fs: fsspec.AbstractFileSystem, root: str, prefix: bool) -> tuple[list[Listed], bool]:
+    """Every object under ``root`` (a prefix or folder), or ``root`` itself; and whether it was one object.
+
+    The ETag and size come from the listing itself, so no object is asked about one by one.
+    """
+    if not prefix:
+        info = fs.info(root)
+        if info.get("type") != "directory":
+            return [Listed(root, int(info.get("size") or 0), plain_etag(info.get("ETag")))], True
+    found = fs.find(root, detail=True)
+    if not found and not fs.exists(root):
+        raise FileNotFoundError(root)
+    objects = [Listed(path, int(info.get("size") or 0), plain_etag(info.get("ETag")))
+               for path, info in found.items() if info.get("type") != "directory"]
+    return sorted(objects, key=lambda o: o.path), False
+
+
+def get_object(fs: Any, obj: Listed, dest: Path, on_bytes: Callable[[int], None]) -> str | None:
+    """Download one S3 object to ``dest``; returns its MD5 when it was computed on the way (small objects).
+
+    The GET carries the listed ETag (If-Match), so an object replaced since it was listed fails
+    instead of mixing two versions.
+    """
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    bucket, key, version = fs.split_path(obj.path)
+    kwargs: dict[str, Any] = {"Bucket": bucket, "Key": key, **fs.req_kw}
+    if version:
+        kwargs["VersionId"] = version
+    if obj.etag:
+        kwargs["IfMatch"] = f'"{obj.etag}"'
+    if obj.size >= RANGED_MIN_BYTES:
+        sync(fs.loop, _get_ranged, fs, kwargs, obj.size, dest, on_bytes)
+        return None
+    return sync(fs.loop, _get_whole, fs, kwargs, dest, bool(etag_md5(obj.etag)), on_bytes)
+
+
+async def _get_whole(fs: Any, kwargs: dict[str, Any], dest: Path, hash_it: bool,
+                     on_bytes: Callable[[int], None]) -> str | None:
+    response = await fs._call_s3("get_object", **kwargs)
+    body = response["Body"]
+    digest = hashlib.md5() if hash_it else None
+    try:
+        with dest.open("wb") as out:
+            while chunk := await body.read(CHUNK_BYTES):
+                out.write(chunk)
+                if digest:
+                    digest.update(chunk)
+                on_bytes(len(chunk))
+    finally:
+        body.close()
+    return digest.hexdigest() if digest else None
+
+
+async def _get_ranged(fs: Any, kwargs: dict[str, Any], size: int, dest: Path,
+                      on_bytes: Callable[[int], None]) -> None:
+    fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    gate = asyncio.Semaphore(PARTS_AT_ONCE)
+
+    async def part(start: int, end: int) -> None:
+        async with gate:
+            response = await fs._call_s3("get_object", Range=f"bytes={start}-{end}", **kwargs)
+            body, at = response["Body"], start
+            try:
+                while chunk := await body.read(CHUNK_BYTES):
+                    os.pwrite(fd, chunk, at)
+                    at += len(chunk)
+                    on_bytes(len(chunk))
+            finally:
+                body.close()
+            if at != end + 1:
+                raise OSError(f"bytes {start}-{end}: the part ended after {at - start} bytes")
+
+    try:
+        os.ftruncate(fd, size)
+        await asyncio.gather(*(part(start, min(start + PART_BYTES, size) - 1)
+                               for start in range(0, size, PART_BYTES)))
+    finally:
+        os.close(fd)
+
+
+def put_file(fs: Any, local: Path, remote: str) -> None:
+    """Send one file and check it arrived whole: its size, and its MD5 where the store gives one.
+
+    Small files to S3 go in one PUT with a Content-MD5 header, so the store checks the bytes
+    itself; larger ones are sent by s3fs (multipart) and then compared with the store's listing.
+    """
+    size = local.stat().st_size
+    if is_s3(fs) and size <= SINGLE_PUT_MAX_BYTES:
+        data = local.read_bytes()
+        digest = hashlib.md5(data)
+        bucket, key, _ = fs.split_path(remote)
+        response = sync(fs.loop, fs._call_s3, "put_object", Bucket=bucket, Key=key, Body=data,
+                        ContentMD5=base64.b64encode(digest.digest()).decode(), **fs.req_kw)
+        returned = etag_md5(response.get("ETag"))
+        if returned and returned != digest.hexdigest():
+            raise OSError(f"{remote}: the store's ETag {returned} is not the file's MD5; sent bytes were damaged")
+        return
+    if not is_s3(fs):
+        fs.makedirs(remote.rsplit("/", 1)[0], exist_ok=True)
+    fs.put_file(str(local), remote)
+    fs.invalidate_cache(remote)
+    info = fs.info(remote)
+    if int(info.get("size") or 0) != size:
+        raise OSError(f"{remote}: has {info.get('size')} bytes after sending, the file has {size}")
+    md5 = etag_md5(info.get("ETag"))
+    if md5 and md5 != file_md5(local):
+        raise OSError(f"{remote}: the store's ETag {md5} is not the file's MD5; sent bytes were damaged")
+
+
+_CREDENTIALS = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken", "ExpiredToken",
+                "InvalidClientTokenId", "AuthorizationHeaderMalformed"}
+_DENIED = {"AccessDenied", "AllAccessDisabled", "AccountProblem", "Forbidden"}
+
+
+def error_code(exc: BaseException) -> str | None:
+    """The store's error code (``NoSuchBucket``, ``AccessDenied`` ...) behind an s3fs exception."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        response = getattr(current, "response", None)
+        if isinstance(response, dict) and response.get("Error", {}).get("Code"):
+            return str(response["Error"]["Code"])
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def explain(url: str, exc: BaseException, fs: Any | None = None, reading: bool = True) -> str:
+    """What went wrong with ``url``, in plain words, and what to do: for a user, not a traceback."""
+    code = error_code(exc) or ""
+    name = type(exc).__name__
+    access = "read" if reading else "write"
+    if code in _CREDENTIALS or name in ("NoCredentialsError", "PartialCredentialsError"):
+        return (f"{url}: the store refused the credentials ({code or name}: {_message(exc)}); check the access "
+                "key and secret of the job's storage block (or the AWS_* credentials on the worker)")
+    if code in _DENIED or (isinstance(exc, PermissionError) and not code):
+        return (f"{url}: access denied ({code or name}): these credentials may not {access} it; grant them "
+                f"access (s3:{'GetObject and s3:ListBucket' if reading else 'PutObject'}) or use a storage "
+                "block whose credentials have it")
+    if code == "NoSuchBucket" or (isinstance(exc, FileNotFoundError) and _bucket_missing(fs, url)):
+        bucket = url.split("://", 1)[-1].split("/", 1)[0]
+        return f"{url}: the bucket {bucket!r} does not exist; check the bucket name in the URL, or create it"
+    if isinstance(exc, FileNotFoundError) or code in ("NoSuchKey", "404"):
+        return f"{url}: not found: no object or prefix has this key; check the URL"
+    if code == "PreconditionFailed":
+        return f"{url}: the object changed while it was being staged; run the job again"
+    if name == "CacheCorrupt":
+        return f"{url}: {exc}"
+    if "EndpointConnectionError" in name or "ConnectionError" in name or isinstance(exc, ConnectionError):
+        return f"{url}: the store does not answer ({_message(exc)}); check its endpoint URL and that it is up"
+    return f"{url}: {name}: {_message(exc)}"
+
+
+def _message(exc: BaseException) -> str:
+    return (str(exc) or type(exc).__name__).splitlines()[0]
+
+
+def _bucket_missing(fs: Any | None, url: str) -> bool:
+    if fs is None or not is_s3(fs):
+        return False
+    bucket = url.split("://", 1)[-1].split("/", 1)[0]
+    try:
+        fs.invalidate_cache(bucket)
+        sync(fs.loop, fs._call_s3, "head_bucket", Bucket=bucket)
+    except FileNotFoundError:
+        return True
+    except Exception:
+        return False
+    return False
