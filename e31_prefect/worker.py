@@ -29,7 +29,7 @@ import anyio.abc
 from prefect.client.schemas.objects import FlowRun
 from prefect.exceptions import ObjectNotFound
 from prefect.settings import PREFECT_API_URL
-from prefect.states import Cancelled, Crashed, Scheduled
+from prefect.states import Cancelled, Crashed, Pending, Scheduled
 from prefect.workers.base import BaseVariables, BaseWorkerResult
 from prefect_docker.worker import DockerWorker, DockerWorkerJobConfiguration
 from pydantic import Field, PrivateAttr
@@ -37,6 +37,7 @@ from pydantic import Field, PrivateAttr
 from e31_prefect import quotas, reporting, results, timing
 from e31_prefect import spool as spooling
 from e31_prefect.blocks import E31Storage, StorageBlockError, load_storage
+from e31_prefect.decorators import job_name
 from e31_prefect.inventory import Device, Inventory, discover, pick_devices
 from e31_prefect.job import JOB_VARIABLE_KEYS, DataInput, Job, JobError, Output, Request, Work, anchor
 from e31_prefect.ledger import Holding, Ledger, this_process
@@ -134,6 +135,15 @@ class E31JobConfiguration(DockerWorkerJobConfiguration):
         self._job_name = deployment.name if deployment else flow_run.name
         self._job_folder = job_folder(deployment)
         self._code_folder = code_folder(deployment)
+        entrypoint = (self.work or {}).get("flow")
+        if deployment is None and entrypoint:
+            # A run with no deployment (an @e31 flow) names its source file: the flow is loaded
+            # from there, and the file's folder is its code (mounted read-only in a container).
+            folder = Path(entrypoint.rsplit(":", 1)[0]).parent
+            self.env["PREFECT__FLOW_ENTRYPOINT"] = entrypoint
+            self._job_folder = self._code_folder = folder if folder.is_dir() else None
+            if flow is not None:
+                self._job_name = job_name(flow.name)
 
     def job(self, name: str | None = None) -> Job:
         """The validated job; raises :class:`JobError` naming each bad field.
@@ -298,6 +308,28 @@ class E31Worker(DockerWorker):
         """The run's devices go back to this host's pool (idempotent)."""
         self.inventory.give_back(flow_run_id)
         self.holds_until.pop(flow_run_id, None)
+
+    async def _submit_adhoc_run(self, flow: Any, parameters: dict[str, Any] | None = None,
+                                job_variables: dict[str, Any] | None = None,
+                                task_status: anyio.abc.TaskStatus[FlowRun] | None = None,
+                                flow_run: FlowRun | None = None) -> None:
+        """Live an ``@e31`` flow's job here, from its source file (named in its job variables).
+
+        Prefect's own ad hoc path uploads a bundle to the pool's storage; an E31 job's code is
+        on this host already, so the run is created and lived like any other.
+        """
+        if flow_run is None:
+            flow_run = await self.client.create_flow_run(
+                flow, parameters=flow.serialize_parameters(parameters or {}), state=Pending(),
+                job_variables=job_variables, work_pool_name=self.work_pool.name, tags=["e31"])
+        if task_status is not None:
+            task_status.started(flow_run)
+        configuration = await self.job_configuration.from_template_and_values(
+            self.work_pool.base_job_template, job_variables or {}, client=self.client)
+        configuration.prepare_for_flow_run(
+            flow_run=flow_run, flow=SimpleNamespace(id=flow_run.flow_id, name=flow.name, labels={}),
+            work_pool=self.work_pool, worker_name=self.name, worker_id=self.backend_id)
+        await self.run(flow_run, configuration)
 
     # -- living one job ---------------------------------------------------------------------------
 

@@ -1,0 +1,121 @@
+"""``@e31(...)``: bind a flow to an e31 work pool, so that calling it runs it as an E31 job.
+
+    from prefect import flow
+    from e31_prefect import e31
+
+    @e31(work_pool="gpu", gpus=1, max_duration="2h", deadline="+8h",
+         data=["s3://footage/night/"], output="s3://results/{job}/{flow_run.id}/")
+    @flow
+    def track(threshold: int = 60) -> dict: ...
+
+    track(threshold=50)   # staged, rented, run, outputs sent, released, metered; returns its value
+
+In the manner of prefect-docker's ``@docker``: the call starts an e31 worker in
+this process, which lives the job's whole life from the flow's source file
+(no deployment, no bundle storage) and returns the flow's result. The run's
+job variables carry the entrypoint, so it is an ordinary E31 run in the UI.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import warnings
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from prefect import Flow, get_client
+from prefect.flows import InfrastructureBoundFlow
+from prefect.utilities.asyncutils import run_coro_as_sync
+from prefect.utilities.callables import get_call_parameters
+from typing_extensions import ParamSpec
+
+from e31_prefect.job import JobError, Problem, Request, anchor, parse_job
+from e31_prefect.submission import DEFAULT_POOL
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+_REQUEST_FIELDS = frozenset(Request.model_fields)
+
+
+class E31Flow(InfrastructureBoundFlow[P, R]):
+    """A flow bound to an e31 pool: calling it runs it as an E31 job and returns its result."""
+
+    def __call__(self, *args: Any, return_state: bool = False, **kwargs: Any) -> Any:
+        """Run the flow as an E31 job through an e31 worker in this process; its value (or final state)."""
+
+        async def call() -> Any:
+            parameters = get_call_parameters(self, args, kwargs)
+            async with self.worker_cls(work_pool_name=self.work_pool) as worker:
+                with warnings.catch_warnings():
+                    # Prefect marks ad hoc submission experimental; here it is the documented way in.
+                    warnings.simplefilter("ignore", FutureWarning)
+                    future = await worker.submit(flow=self, parameters=parameters, job_variables=self.job_variables)
+            # Leaving the worker waited for the job's whole life: outputs sent, result moved with them,
+            # meter closed. Only now does the run's state point at where its result lives.
+            async with get_client() as client:
+                state = (await client.read_flow_run(future.flow_run_id)).state
+            return state if return_state else await state.aresult()
+
+        return call() if inspect.iscoroutinefunction(self.fn) else run_coro_as_sync(call())
+
+
+def e31(
+    work_pool: str = DEFAULT_POOL,
+    *,
+    team: str | None = None,
+    timezone: str | None = None,
+    image: str | None = None,
+    env: dict[str, str] | None = None,
+    data: Iterable[str | dict[str, Any]] = (),
+    output: str | None = None,
+    expect: Iterable[str] = (),
+    storage: str | None = None,
+    **request: Any,
+) -> Callable[[Flow[P, R]], E31Flow[P, R]]:
+    """Bind a flow to the e31 pool ``work_pool`` with the job's request, data and output.
+
+    ``request`` takes the job file's request fields (``gpus``, ``gpu_type``, ``max_duration``,
+    ``until_done``, ``expected_duration``, ``start``, ``deadline``, ``priority``, ``cpus``, ``memory``).
+    ``data`` items are URLs (or the job file's ``{from, to, size, sha256}`` mappings); relative paths
+    are read from the flow's folder. A bad value raises :class:`JobError` naming the field and the fix.
+    """
+    unknown = sorted(set(request) - _REQUEST_FIELDS)
+    if unknown:
+        raise JobError([Problem(name, request[name], "not a request field; use one of "
+                                + ", ".join(sorted(_REQUEST_FIELDS))) for name in unknown], "@e31(...)")
+
+    def bind(flow: Flow[P, R]) -> E31Flow[P, R]:
+        source = Path(inspect.getfile(flow.fn)).resolve()
+        job = parse_job({
+            "name": job_name(flow.name),
+            "team": team,
+            "timezone": timezone,
+            "work": {"flow": f"{source}:{flow.fn.__name__}", "image": image, "env": env or {}},
+            "data": [item if isinstance(item, dict) else {"from": item} for item in data],
+            "request": request,
+            "output": {"to": output, "expect": list(expect)},
+            "storage": storage,
+        }, source="@e31(...)")
+        job_variables = anchor(job, source.parent).to_job_variables()
+        bound = E31Flow[P, R](flow.fn, work_pool=work_pool, job_variables=job_variables, worker_cls=_worker_class())
+        # Keep everything the @flow decorator set (name, retries, result settings...), as Prefect's binding does.
+        for attribute, value in flow.__dict__.items():
+            if attribute not in ("work_pool", "job_variables", "worker_cls"):
+                setattr(bound, attribute, value)
+        return bound
+
+    return bind
+
+
+def job_name(flow_name: str) -> str:
+    """A flow's name as an E31 job name (letters, digits, '.', '_', '-')."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", flow_name).strip("-._")[:63] or "flow"
+
+
+def _worker_class() -> type:
+    from e31_prefect.worker import E31Worker  # the worker imports this package; import it when binding
+
+    return E31Worker
