@@ -190,6 +190,9 @@ def error_code(exc: BaseException) -> str | None:
 def explain(url: str, exc: BaseException, fs: Any | None = None, reading: bool = True) -> str:
     """What went wrong with ``url``, in plain words, and what to do: for a user, not a traceback."""
     code = error_code(exc) or ""
+    if code in ("403", "Forbidden", "400", "BadRequest") and fs is not None:
+        # A HEAD's refusal has no body to say why; a listing of the same key does.
+        code = _probe(fs, url) or code
     name = type(exc).__name__
     access = "read" if reading else "write"
     if code in _CREDENTIALS or name in ("NoCredentialsError", "PartialCredentialsError"):
@@ -215,6 +218,17 @@ def explain(url: str, exc: BaseException, fs: Any | None = None, reading: bool =
 
 def _message(exc: BaseException) -> str:
     return (str(exc) or type(exc).__name__).splitlines()[0]
+
+
+def _probe(fs: Any, url: str) -> str | None:
+    if not is_s3(fs):
+        return None
+    bucket, _, key = url.split("://", 1)[-1].partition("/")
+    try:
+        sync(fs.loop, fs._call_s3, "list_objects_v2", Bucket=bucket, Prefix=key, MaxKeys=1)
+    except Exception as exc:
+        return error_code(exc)
+    return None
 
 
 def _bucket_missing(fs: Any | None, url: str) -> bool:

@@ -1,0 +1,135 @@
+"""Staging against moto's S3 server over HTTP through s3fs: the host's content cache, one download
+for two jobs wanting one object, and plain-words errors for bad input."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import boto3
+import httpx
+import pytest
+import s3fs
+
+from e31_prefect.cache import ContentCache
+from e31_prefect.job import DataInput
+from e31_prefect.staging import StagingError, stage_inputs
+
+pytestmark = pytest.mark.integration
+
+
+def options(env: dict[str, str], key: str | None = None, secret: str | None = None) -> dict:
+    return {"s3": {"key": key or env["AWS_ACCESS_KEY_ID"], "secret": secret or env["AWS_SECRET_ACCESS_KEY"],
+                   "client_kwargs": {"endpoint_url": env["AWS_ENDPOINT_URL"]}, "skip_instance_cache": True}}
+
+
+def filled_bucket(env: dict[str, str], name: str, objects: dict[str, bytes]) -> s3fs.S3FileSystem:
+    fs = s3fs.S3FileSystem(key="k", secret="s", client_kwargs={"endpoint_url": env["AWS_ENDPOINT_URL"]},
+                           skip_instance_cache=True)
+    fs.makedirs(name, exist_ok=True)
+    fs.pipe({f"{name}/{k}": v for k, v in objects.items()})
+    return fs
+
+
+def test_a_cached_restage_downloads_nothing_and_says_so(s3_server, tmp_path, caplog):
+    objects = {f"set/{n:03d}.bin": bytes([n]) * (1000 + n) for n in range(40)}
+    filled_bucket(s3_server, "nightly", objects)
+    cache = ContentCache(tmp_path / "cache", 1 << 30)
+    source = [DataInput(source="s3://nightly/set/", to="set")]
+    log = logging.getLogger("e31.test.staging")
+    first = stage_inputs(source, tmp_path / "run1", options(s3_server), log, cache=cache)
+    assert (first.files, first.cached_files, first.downloaded_bytes) == (40, 0, first.bytes)
+    with caplog.at_level(logging.INFO, logger="e31.test.staging"):
+        again = stage_inputs(source, tmp_path / "run2", options(s3_server), log, cache=cache)
+    assert (again.files, again.cached_files, again.downloaded_bytes) == (40, 40, 0)
+    assert "40 from the host's cache, 0.00 MB downloaded" in caplog.text
+    staged = {p.relative_to(tmp_path / "run2" / "set").as_posix(): p.read_bytes()
+              for p in (tmp_path / "run2").rglob("*") if p.is_file()}
+    assert staged == {k.removeprefix("set/"): v for k, v in objects.items()}
+    assert cache.counters.downloads == 40 and cache.counters.hits == 40
+
+
+def test_a_changed_object_is_downloaded_again(s3_server, tmp_path):
+    fs = filled_bucket(s3_server, "changing", {"model.bin": b"version one"})
+    cache = ContentCache(tmp_path / "cache", 1 << 30)
+    source = [DataInput(source="s3://changing/model.bin")]
+    stage_inputs(source, tmp_path / "run1", options(s3_server), cache=cache)
+    fs.pipe("changing/model.bin", b"version two")
+    again = stage_inputs(source, tmp_path / "run2", options(s3_server), cache=cache)
+    assert again.cached_files == 0 and (tmp_path / "run2" / "model.bin").read_bytes() == b"version two"
+
+
+STAGE = """
+import json, sys
+from pathlib import Path
+from e31_prefect.cache import ContentCache
+from e31_prefect.job import DataInput
+from e31_prefect.staging import stage_inputs
+options, root, target = json.loads(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
+sys.stdin.readline()  # both processes start staging together
+result = stage_inputs([DataInput(source="s3://shared/weights.bin")], target, options,
+                      cache=ContentCache(root, 1 << 30))
+print(json.dumps({"cached": result.cached_files, "downloaded": result.downloaded_bytes}))
+"""
+
+
+def test_two_jobs_staging_one_object_at_once_download_it_once(s3_server, tmp_path):
+    weights = bytes(range(256)) * 40_000  # 10 MB
+    filled_bucket(s3_server, "shared", {"weights.bin": weights})
+    workers = [subprocess.Popen([sys.executable, "-c", STAGE, json.dumps(options(s3_server)),
+                                 str(tmp_path / "cache"), str(tmp_path / f"job{n}")],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for n in range(2)]
+    for worker in workers:
+        worker.stdin.write("go\n")
+        worker.stdin.flush()
+    results = [json.loads(worker.communicate(timeout=120)[0]) for worker in workers]
+    assert sorted(r["cached"] for r in results) == [0, 1]
+    assert sum(r["downloaded"] for r in results) == len(weights)
+    for n in range(2):
+        assert (tmp_path / f"job{n}" / "weights.bin").read_bytes() == weights
+
+
+@pytest.fixture
+def guarded_store(s3_server):
+    """moto checking credentials: an admin key, a key allowed only bucket `open-data`, and two buckets."""
+    url = s3_server["AWS_ENDPOINT_URL"]
+    iam = boto3.client("iam", endpoint_url=url, region_name="us-east-1", aws_access_key_id="x",
+                       aws_secret_access_key="x")
+    keys = {}
+    for user, resource in (("stage-admin", "*"), ("stage-reader", "arn:aws:s3:::open-data*")):
+        iam.create_user(UserName=user)
+        iam.put_user_policy(UserName=user, PolicyName="s3", PolicyDocument=json.dumps({
+            "Version": "2012-10-17",
+            "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": resource}]}))
+        created = iam.create_access_key(UserName=user)["AccessKey"]
+        keys[user] = (created["AccessKeyId"], created["SecretAccessKey"])
+    filled_bucket(s3_server, "open-data", {"a.csv": b"1,2\n"})
+    filled_bucket(s3_server, "closed-data", {"b.csv": b"3,4\n"})
+    auth = f"{url}/moto-api/reset-auth"
+    before = httpx.post(auth, content=b"0").json()["PREVIOUS_INITIAL_NO_AUTH_ACTION_COUNT"]
+    yield keys
+    httpx.post(auth, content=str(before).encode())
+    for user, (key_id, _) in keys.items():
+        iam.delete_access_key(UserName=user, AccessKeyId=key_id)
+        iam.delete_user_policy(UserName=user, PolicyName="s3")
+        iam.delete_user(UserName=user)
+
+
+@pytest.mark.parametrize(("url", "user", "cause"), [
+    ("s3://no-such-bucket/x.csv", "stage-admin", "the bucket 'no-such-bucket' does not exist; check the bucket"),
+    ("s3://open-data/missing.csv", "stage-admin", "not found: no object or prefix has this key; check the URL"),
+    ("s3://open-data/a.csv", None, "the store refused the credentials (InvalidAccessKeyId"),
+    ("s3://closed-data/b.csv", "stage-reader", "access denied (AccessDenied): these credentials may not read it"),
+    ("s3://closed-data/", "stage-reader", "access denied (AccessDenied)"),
+])
+def test_bad_input_fails_naming_the_url_and_the_cause(s3_server, guarded_store, tmp_path, url, user, cause):
+    key, secret = guarded_store[user] if user else ("AKIAWRONGKEY0000", "wrong")
+    with pytest.raises(StagingError) as failure:
+        stage_inputs([DataInput(source=url)], tmp_path / "data", options(s3_server, key, secret),
+                     cache=ContentCache(tmp_path / "cache", 1 << 30))
+    message = str(failure.value)
+    assert message.startswith(f"data {url}: ") and cause in message, message
+    assert "Traceback" not in message and not any(Path(tmp_path / "data").rglob("*.csv"))
