@@ -328,6 +328,8 @@ class SimulationResult:
 POLICIES: dict[str, dict] = {
     # Prefect's own order: scheduled time, whatever fits, late runs still run.
     "fifo": {"order": lambda r: (r.scheduled,), "backfill": False, "refuse_missed": False},
+    # Prefect's order under e31's admission rule: runs that can no longer make it are refused.
+    "fifo-admit": {"order": lambda r: (r.scheduled,), "backfill": False, "refuse_missed": True},
     # Earliest deadline first, whatever fits, late runs still run.
     "edf": {"order": lambda r: ((r.latest_start + r.duration) if r.latest_start and r.duration else _NO_DEADLINE,
                                 r.scheduled),
