@@ -110,4 +110,7 @@ def _send_what_was_written(holding: Holding, spool: Path, options: dict[str, Any
         with contextlib.suppress(UploadError):
             upload_outputs(output_dir, holding.destination, options, attempts=2)
             return holding.destination
-    return spool_outputs(output_dir, spool, holding.flow_run_id)
+    # The manifest keeps where they were going, so `e31 outputs retry` can send them later.
+    return spool_outputs(output_dir, spool, holding.flow_run_id, holding.destination, holding.storage,
+                         job_name=holding.job_name,
+                         reason="the store did not take them while a dead worker's run was recovered")
