@@ -159,10 +159,8 @@ class ContentCache:
         bytes are checked against ``size`` and ``md5`` before they become an entry. Returns True on
         a cache hit.
         """
-        with self._locked(key, exclusive=False):
-            if self._link(key, size, target):
-                self._count(True, size)
-                return True
+        if self.take(key, size, target):
+            return True
         with self._locked(key, exclusive=True):
             # Whoever held the lock before us may have filled it: then we only link.
             if self._link(key, size, target):
@@ -187,6 +185,20 @@ class ContentCache:
             self._count(False, size)
             return False
 
+    def take(self, key: str, size: int, target: Path) -> bool:
+        """Link the entry ``key`` at ``target`` if the cache holds it; False (nothing done) if not.
+
+        No lock is needed: eviction removes only entries no workspace links to, and an entry removed
+        between the look and the link makes the link fail, which is a miss.
+        """
+        try:
+            linked = self._link(key, size, target)
+        except FileNotFoundError:
+            return False
+        if linked:
+            self._count(True, size)
+        return linked
+
     def _link(self, key: str, size: int, target: Path) -> bool:
         entry = self.objects / key
         try:
@@ -198,9 +210,10 @@ class ContentCache:
             entry.unlink(missing_ok=True)
             return False
         target.parent.mkdir(parents=True, exist_ok=True)
-        with contextlib.suppress(FileNotFoundError):
-            target.unlink()
         try:
+            os.link(entry, target)
+        except FileExistsError:
+            target.unlink()
             os.link(entry, target)
         except OSError as exc:
             if exc.errno not in (errno.EXDEV, errno.EMLINK, errno.EPERM):
