@@ -273,14 +273,14 @@ def check(path: Path, size: int, md5: str | None, computed_md5: str | None = Non
     got = path.stat().st_size
     if got != size:
         raise CacheCorrupt(f"got {got} bytes of {size}; the transfer was cut short")
-    if md5 and (computed_md5 or file_md5(path)) != md5:
+    if md5 and (computed_md5 or file_digest(path)) != md5:
         raise CacheCorrupt(f"the MD5 of the bytes received differs from the object's ETag {md5}; "
                            "the data was corrupted in transit")
 
 
-def file_md5(path: Path) -> str:
-    """The MD5 of a file, read in 8 MiB blocks."""
-    digest = hashlib.md5()
+def file_digest(path: Path, algorithm: str = "md5") -> str:
+    """The hex digest of a file (``md5``, ``sha256``...), read in 8 MiB blocks."""
+    digest = hashlib.new(algorithm)
     with path.open("rb") as handle:
         for block in iter(lambda: handle.read(8 << 20), b""):
             digest.update(block)

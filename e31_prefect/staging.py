@@ -11,7 +11,6 @@ spool (:mod:`e31_prefect.spool`) for ``e31 outputs retry``.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import stat
 import threading
@@ -23,7 +22,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from e31_prefect import store
-from e31_prefect.cache import ContentCache, cache_key, check, etag_md5
+from e31_prefect.cache import ContentCache, cache_key, check, etag_md5, file_digest
 from e31_prefect.job import DataInput
 
 # Many small objects cost a round trip each: enough threads keep the store busy while some wait.
@@ -214,7 +213,7 @@ def _stage_one(item: _Item, content_cache: ContentCache | None, progress: Progre
                 raise StagingError(f"{item.label}: {store.explain(url, exc, item.fs)} "
                                    f"(after {GET_ATTEMPTS} attempts)") from None
             time.sleep(0.5 * attempt)
-    if item.sha256 and _sha256(item.local) != item.sha256:
+    if item.sha256 and file_digest(item.local, "sha256") != item.sha256:
         raise StagingError(f"{item.label}: SHA-256 differs from the job's sha256; the data changed or is corrupt")
 
 
@@ -237,14 +236,6 @@ def _fetch(item: _Item, content_cache: ContentCache | None, progress: Progress) 
     key = cache_key(obj.etag, obj.size, f"s3://{obj.path}")
     hit = content_cache.provide(key, obj.size, item.local, download, etag_md5(obj.etag))
     progress.file_done(obj.size, counted=not hit)
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _make_read_only(root: Path) -> None:

@@ -22,7 +22,7 @@ import fsspec
 from fsspec.asyn import sync
 from fsspec.core import url_to_fs
 
-from e31_prefect.cache import etag_md5, file_md5, plain_etag
+from e31_prefect.cache import etag_md5, file_digest, plain_etag
 
 CHUNK_BYTES = 1 << 20
 # Objects this large come in ranged parts fetched at once: one GET stream is slower than the
@@ -165,7 +165,7 @@ def put_file(fs: Any, local: Path, remote: str) -> None:
     if int(info.get("size") or 0) != size:
         raise OSError(f"{remote}: has {info.get('size')} bytes after sending, the file has {size}")
     md5 = etag_md5(info.get("ETag"))
-    if md5 and md5 != file_md5(local):
+    if md5 and md5 != file_digest(local):
         raise OSError(f"{remote}: the store's ETag {md5} is not the file's MD5; sent bytes were damaged")
 
 
