@@ -205,8 +205,13 @@ class E31Worker(DockerWorker):
         self._only_flow_run_ids = only_flow_run_ids
 
     async def setup(self) -> None:
-        """Connect, then clean up after any e31 worker on this host that was killed."""
+        """Connect, register the E31 Storage block type (so the UI offers it), then clean up after
+        any e31 worker on this host that was killed."""
         await super().setup()
+        try:
+            await E31Storage.aregister_type_and_schema(client=self.client)
+        except Exception as exc:  # the worker runs jobs without it; only the UI's block catalog misses it
+            self._logger.warning("Could not register the E31 Storage block type: %s", exc)
         recovered = await recover(self.client, self.ledger, self.settings.spool)
         if recovered:
             self._logger.warning("Recovered %d run(s) left by a dead worker: %s", len(recovered),
