@@ -34,6 +34,7 @@ from datetime import datetime, timedelta, timezone
 from e31_prefect.inventory import Device, matches
 
 RESERVATION_DEPTH = 64
+_OVERDUE_HOLD_SECONDS = 1.0
 _NO_DEADLINE = datetime.max.replace(tzinfo=timezone.utc)
 
 
@@ -180,8 +181,8 @@ class _Model:
                 index += 1
                 continue
             start = times[index]
-            if start > horizon:
-                return None
+            if start > horizon or start == math.inf:
+                return None  # never, or not soon enough
             end = start + length
             index += 1
             while index < count and times[index] < end and free[index] >= gpus:
@@ -215,7 +216,9 @@ def _models(free: Sequence[Device], busy: Sequence[Busy], now: datetime) -> list
     for held in busy:
         group = groups.setdefault(held.device.name, ([], [], []))
         group[0].append(held.device)
-        group[2].append(math.inf if held.until is None else max(0.0, (held.until - now).total_seconds()))
+        # A hold past its end (a run over its expected duration) still holds: it ends any moment, not now.
+        group[2].append(math.inf if held.until is None else max(_OVERDUE_HOLD_SECONDS,
+                                                                 (held.until - now).total_seconds()))
     return sorted((_Model(devices, idle, ends) for devices, idle, ends in groups.values()),
                   key=lambda model: model.first)
 

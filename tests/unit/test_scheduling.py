@@ -410,12 +410,16 @@ def test_plans_never_promise_more_devices_than_exist(seed: int):
     rng = random.Random(seed)
     for _ in range(50):
         devices = [Device(i, H100) for i in range(rng.choice([1, 2, 4, 8]))]
-        busy = [Busy(d, NOW + minutes(rng.randint(1, 300))) for d in devices if rng.random() < 0.6]
+        # Holds end later, ended already (a run over its expected duration) or have no known end.
+        busy = [Busy(d, None if rng.random() < 0.1 else NOW + minutes(rng.randint(-30, 300)))
+                for d in devices if rng.random() < 0.6]
         free = [d for d in devices if d not in {b.device for b in busy}]
         waiting = [r for r in _random_runs(rng, rng.randint(1, 30)) if r.gpus <= len(devices)]
         decision = decide(waiting, free, NOW, busy)
         by_id = {r.id: r for r in waiting}
-        spans = [(NOW, b.until, 1) for b in busy]
+        assert all(len(given) == r.gpus for r, given in decision.start)
+        spans = [(NOW, NOW + timedelta(days=10_000) if b.until is None else max(b.until, NOW + timedelta(seconds=1)),
+                  1) for b in busy]
         spans += [(NOW, NOW + (r.duration or timedelta(days=10_000)), r.gpus) for r, _ in decision.start if r.gpus]
         spans += [(at, at + (by_id[i].duration or timedelta(days=10_000)), by_id[i].gpus)
                   for i, at in decision.reserved.items()]
@@ -425,3 +429,24 @@ def test_plans_never_promise_more_devices_than_exist(seed: int):
         # A reservation is for a run that could not start now, and never in the past.
         assert all(at > NOW for at in decision.reserved.values())
         assert not set(decision.reserved) & {r.id for r, _ in decision.start}
+
+
+def test_a_device_held_past_its_expected_end_is_not_given_to_anyone_now():
+    h100s = [Device(0, H100), Device(1, H100)]
+    overrunning = Busy(h100s[0], NOW - minutes(5))  # an until_done run past its expected duration
+    one = WaitingRun("one", 1, None, NOW, latest_start=NOW + minutes(60), duration=minutes(30))
+    decision = decide([one], [], NOW, [overrunning])
+    assert decision.start == [] and decision.reserved == {"one": NOW + timedelta(seconds=1)}
+    pair = WaitingRun("pair", 2, None, NOW, latest_start=NOW + minutes(60), duration=minutes(30))
+    decision = decide([pair], [h100s[1]], NOW, [overrunning])
+    assert decision.start == [] and "pair" in decision.reserved
+
+
+def test_a_device_held_with_no_known_end_blocks_only_runs_that_need_it():
+    a100, h100 = Device(0, A100), Device(1, H100)
+    forever = Busy(h100, None)
+    waiting = [WaitingRun("h", 1, "H100", NOW, latest_start=NOW + minutes(60), duration=minutes(30)),
+               WaitingRun("any", 1, None, NOW, latest_start=NOW + minutes(90), duration=minutes(30))]
+    decision = decide(waiting, [a100], NOW, [forever])
+    assert placement(decision) == {"any": [0]}
+    assert decision.reserved == {}
