@@ -155,13 +155,17 @@ class E31JobConfiguration(DockerWorkerJobConfiguration):
 
 
 def code_folder(deployment: DeploymentResponse | None) -> Path | None:
-    """Where a deployment's code lives on this host: its path, or the folder its pull step moves into
-    (``prefect deploy`` of local code writes a ``set_working_directory`` step)."""
+    """Where a deployment's code lives on this host: the folder its pull step moves into (``prefect deploy``
+    of local code writes a ``set_working_directory`` step, as e31 does), else its path.
+
+    The pull step first: it is where the flow really runs, and ``prefect deploy`` over a deployment
+    that e31 made keeps the old ``path``.
+    """
     if deployment is None:
         return None
-    folders = [deployment.path] if deployment.path else []
-    folders += [step["prefect.deployments.steps.set_working_directory"].get("directory")
-                for step in deployment.pull_steps or [] if "prefect.deployments.steps.set_working_directory" in step]
+    folders = [step["prefect.deployments.steps.set_working_directory"].get("directory")
+               for step in deployment.pull_steps or [] if "prefect.deployments.steps.set_working_directory" in step]
+    folders += [deployment.path] if deployment.path else []
     return next((Path(folder) for folder in folders if folder and Path(folder).is_dir()), None)
 
 

@@ -49,6 +49,17 @@ def deployments_of(pool: str) -> dict:
         return {d.name: d for d in client.read_deployments() if d.work_pool_name == pool}
 
 
+def cancel_scheduled(pool: str) -> None:
+    """Cancel the pool's scheduled runs (so only the ones a test starts are taken)."""
+    from prefect.client.schemas.filters import WorkPoolFilter, WorkPoolFilterName
+    from prefect.states import Cancelled
+
+    with get_client(sync_client=True) as client:
+        for run in client.read_flow_runs(work_pool_filter=WorkPoolFilter(name=WorkPoolFilterName(any_=[pool]))):
+            if run.state and run.state.is_scheduled():
+                client.set_flow_run_state(run.id, Cancelled(), force=True)
+
+
 def scheduled_runs(deployment_id, timeout: float = 90) -> list:
     """The runs Prefect's scheduler service made for a deployment (it makes them within seconds).
 
@@ -64,9 +75,15 @@ def scheduled_runs(deployment_id, timeout: float = 90) -> list:
             time.sleep(1)
 
 
-def test_prefect_deploy_all_then_a_stock_e31_worker_runs_the_jobs(prefect_server, project, pool):
+def test_prefect_deploy_all_then_a_stock_e31_worker_runs_the_jobs(prefect_server, project, pool, tmp_path):
     created = cli("prefect", "work-pool", "create", pool, "--type", "e31")
     assert created.returncode == 0, created.stdout + created.stderr
+    # The team used `e31 submit` from another folder first: prefect deploy takes over that deployment.
+    earlier = tmp_path / "earlier"
+    shutil.copytree(project / "jobs", earlier)
+    submitted = cli("e31", "submit", str(earlier / "retrain.yaml"), "--pool", pool)
+    assert submitted.returncode == 0, submitted.stdout + submitted.stderr
+    cancel_scheduled(pool)
     deployed = deploy(project, "--all")
     assert deployed.returncode == 0, deployed.stdout + deployed.stderr
 
