@@ -22,7 +22,7 @@ import fsspec
 from fsspec.asyn import sync
 from fsspec.core import url_to_fs
 
-from e31_prefect.cache import etag_md5, file_digest, plain_etag
+from e31_prefect.cache import ETAG_NOT_MD5, etag_md5, file_digest, plain_etag
 
 CHUNK_BYTES = 1 << 20
 # Objects this large come in ranged parts fetched at once: one GET stream is slower than the
@@ -77,8 +77,15 @@ def listing(fs: fsspec.AbstractFileSystem, root: str, prefix: bool) -> tuple[lis
     return sorted(objects, key=lambda o: o.path), False
 
 
+def etag_is_md5(response: dict[str, Any]) -> bool:
+    """Whether an S3 response's ETag can be an MD5 of the bytes: not with SSE-KMS or SSE-C encryption."""
+    return not (str(response.get("ServerSideEncryption", "")).startswith("aws:kms")
+                or response.get("SSECustomerAlgorithm"))
+
+
 def get_object(fs: Any, obj: Listed, dest: Path, on_bytes: Callable[[int], None]) -> str | None:
-    """Download one S3 object to ``dest``; returns its MD5 when it was computed on the way (small objects).
+    """Download one S3 object to ``dest``; returns its MD5 when it was computed on the way (small objects),
+    or :data:`~e31_prefect.cache.ETAG_NOT_MD5` when the store says its ETag is no MD5.
 
     The GET carries the listed ETag (If-Match), so an object replaced since it was listed fails
     instead of mixing two versions.
@@ -91,8 +98,7 @@ def get_object(fs: Any, obj: Listed, dest: Path, on_bytes: Callable[[int], None]
     if obj.etag:
         kwargs["IfMatch"] = f'"{obj.etag}"'
     if obj.size >= RANGED_MIN_BYTES:
-        sync(fs.loop, _get_ranged, fs, kwargs, obj.size, dest, on_bytes)
-        return None
+        return sync(fs.loop, _get_ranged, fs, kwargs, obj.size, dest, on_bytes)
     return sync(fs.loop, _get_whole, fs, kwargs, dest, bool(etag_md5(obj.etag)), on_bytes)
 
 
@@ -100,6 +106,8 @@ async def _get_whole(fs: Any, kwargs: dict[str, Any], dest: Path, hash_it: bool,
                      on_bytes: Callable[[int], None]) -> str | None:
     response = await fs._call_s3("get_object", **kwargs)
     body = response["Body"]
+    if not etag_is_md5(response):
+        hash_it = False
     digest = hashlib.md5() if hash_it else None
     try:
         with dest.open("wb") as out:
@@ -110,17 +118,20 @@ async def _get_whole(fs: Any, kwargs: dict[str, Any], dest: Path, hash_it: bool,
                 on_bytes(len(chunk))
     finally:
         body.close()
-    return digest.hexdigest() if digest else None
+    return digest.hexdigest() if digest else (None if etag_is_md5(response) else ETAG_NOT_MD5)
 
 
 async def _get_ranged(fs: Any, kwargs: dict[str, Any], size: int, dest: Path,
-                      on_bytes: Callable[[int], None]) -> None:
+                      on_bytes: Callable[[int], None]) -> str | None:
     fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     gate = asyncio.Semaphore(PARTS_AT_ONCE)
+    plain = True
 
     async def part(start: int, end: int) -> None:
+        nonlocal plain
         async with gate:
             response = await fs._call_s3("get_object", Range=f"bytes={start}-{end}", **kwargs)
+            plain = plain and etag_is_md5(response)
             body, at = response["Body"], start
             try:
                 while chunk := await body.read(CHUNK_BYTES):
@@ -138,6 +149,7 @@ async def _get_ranged(fs: Any, kwargs: dict[str, Any], size: int, dest: Path,
                                for start in range(0, size, PART_BYTES)))
     finally:
         os.close(fd)
+    return None if plain else ETAG_NOT_MD5
 
 
 def put_file(fs: Any, local: Path, remote: str) -> None:
@@ -151,20 +163,22 @@ def put_file(fs: Any, local: Path, remote: str) -> None:
         data = local.read_bytes()
         digest = hashlib.md5(data)
         bucket, key, _ = fs.split_path(remote)
-        response = sync(fs.loop, fs._call_s3, "put_object", Bucket=bucket, Key=key, Body=data,
-                        ContentMD5=base64.b64encode(digest.digest()).decode(), **fs.req_kw)
-        returned = etag_md5(response.get("ETag"))
-        if returned and returned != digest.hexdigest():
-            raise OSError(f"{remote}: the store's ETag {returned} is not the file's MD5; sent bytes were damaged")
+        # The store refuses a body whose MD5 is not the Content-MD5 sent with it: nothing more to compare.
+        sync(fs.loop, fs._call_s3, "put_object", Bucket=bucket, Key=key, Body=data,
+             ContentMD5=base64.b64encode(digest.digest()).decode(), **fs.req_kw)
         return
     if not is_s3(fs):
         fs.makedirs(remote.rsplit("/", 1)[0], exist_ok=True)
     fs.put_file(str(local), remote)
     fs.invalidate_cache(remote)
-    info = fs.info(remote)
-    if int(info.get("size") or 0) != size:
-        raise OSError(f"{remote}: has {info.get('size')} bytes after sending, the file has {size}")
-    md5 = etag_md5(info.get("ETag"))
+    if is_s3(fs):
+        bucket, key, _ = fs.split_path(remote)
+        head = sync(fs.loop, fs._call_s3, "head_object", Bucket=bucket, Key=key, **fs.req_kw)
+        stored, md5 = int(head.get("ContentLength") or 0), etag_md5(head.get("ETag")) if etag_is_md5(head) else None
+    else:
+        stored, md5 = int(fs.info(remote).get("size") or 0), None
+    if stored != size:
+        raise OSError(f"{remote}: has {stored} bytes after sending, the file has {size}")
     if md5 and md5 != file_digest(local):
         raise OSError(f"{remote}: the store's ETag {md5} is not the file's MD5; sent bytes were damaged")
 

@@ -106,3 +106,21 @@ def test_threads_wanting_one_object_at_once_download_it_once(tmp_path):
     for thread in threads:
         thread.join()
     assert len(calls) == 1 and cache.counters.hits == 7
+
+
+def test_an_encrypted_objects_etag_is_not_taken_for_its_md5(tmp_path):
+    from e31_prefect.cache import ETAG_NOT_MD5, CacheCorrupt, check
+    from e31_prefect.store import etag_is_md5
+
+    # SSE-KMS and SSE-C objects have ETags that look like an MD5 but are not one.
+    assert not etag_is_md5({"ServerSideEncryption": "aws:kms", "ETag": '"0123456789abcdef0123456789abcdef"'})
+    assert not etag_is_md5({"ServerSideEncryption": "aws:kms:dsse"})
+    assert not etag_is_md5({"SSECustomerAlgorithm": "AES256"})
+    assert etag_is_md5({"ServerSideEncryption": "AES256"}) and etag_is_md5({})
+    staged = tmp_path / "object"
+    staged.write_bytes(b"x" * 10)
+    check(staged, 10, "0123456789abcdef0123456789abcdef", ETAG_NOT_MD5)  # the size alone is checked
+    with pytest.raises(CacheCorrupt):
+        check(staged, 10, "0123456789abcdef0123456789abcdef")
+    with pytest.raises(CacheCorrupt):
+        check(staged, 11, "0123456789abcdef0123456789abcdef", ETAG_NOT_MD5)
