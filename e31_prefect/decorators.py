@@ -19,7 +19,9 @@ job variables carry the entrypoint, so it is an ordinary E31 run in the UI.
 from __future__ import annotations
 
 import inspect
+import os
 import re
+import sys
 import warnings
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -27,12 +29,17 @@ from typing import Any, TypeVar
 
 from prefect import Flow, get_client
 from prefect.flows import InfrastructureBoundFlow
+from prefect.logging import get_logger
 from prefect.utilities.asyncutils import run_coro_as_sync
 from prefect.utilities.callables import get_call_parameters
 from typing_extensions import ParamSpec
 
 from e31_prefect.job import JobError, Problem, Request, anchor, parse_job
+from e31_prefect.results import wait_released
 from e31_prefect.submission import DEFAULT_POOL
+
+if sys.version_info < (3, 11):
+    from exceptiongroup import BaseExceptionGroup  # the builtin from 3.11; Prefect installs the backport
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -46,17 +53,33 @@ class E31Flow(InfrastructureBoundFlow[P, R]):
     def __call__(self, *args: Any, return_state: bool = False, **kwargs: Any) -> Any:
         """Run the flow as an E31 job through an e31 worker in this process; its value (or final state)."""
 
+        if os.environ.get("PREFECT__FLOW_ENTRYPOINT") == self.job_variables["work"]["flow"]:
+            # The job's process is importing the flow's file to run it: a call at the top of that file
+            # would start the job again from inside itself.
+            raise RuntimeError(f"{self.name!r} was called while its own E31 job loads its file; call it under "
+                               "`if __name__ == \"__main__\":` so that only you start it")
+
         async def call() -> Any:
             parameters = get_call_parameters(self, args, kwargs)
-            async with self.worker_cls(work_pool_name=self.work_pool) as worker:
-                with warnings.catch_warnings():
-                    # Prefect marks ad hoc submission experimental; here it is the documented way in.
-                    warnings.simplefilter("ignore", FutureWarning)
-                    future = await worker.submit(flow=self, parameters=parameters, job_variables=self.job_variables)
-            # Leaving the worker waited for the job's whole life: outputs sent, result moved with them,
-            # meter closed. Only now does the run's state point at where its result lives.
+            try:
+                async with self.worker_cls(work_pool_name=self.work_pool) as worker:
+                    with warnings.catch_warnings():
+                        # Prefect marks ad hoc submission experimental; here it is the documented way in.
+                        warnings.simplefilter("ignore", FutureWarning)
+                        future = await worker.submit(flow=self, parameters=parameters,
+                                                     job_variables=self.job_variables)
+            except BaseExceptionGroup as group:  # the worker's task group wraps what went wrong
+                raise group.exceptions[0] if len(group.exceptions) == 1 else group from None
+            # Leaving the worker waited for the job's whole life here: outputs sent, result moved with
+            # them, meter closed. A run this host could not rent for went back to the pool; then the
+            # caller waits for whichever e31 worker takes it.
             async with get_client() as client:
                 state = (await client.read_flow_run(future.flow_run_id)).state
+                if state is not None and state.is_scheduled():
+                    get_logger("e31").warning(
+                        "No room on this host for %r (%s); it waits in work pool %r for an e31 worker",
+                        self.name, state.message, self.work_pool)
+                    state = (await wait_released(client, future.flow_run_id)).state
             return state if return_state else await state.aresult()
 
         return call() if inspect.iscoroutinefunction(self.fn) else run_coro_as_sync(call())
@@ -85,7 +108,10 @@ def e31(
     unknown = sorted(set(request) - _REQUEST_FIELDS)
     if unknown:
         raise JobError([Problem(name, request[name], "not a request field; use one of "
-                                + ", ".join(sorted(_REQUEST_FIELDS))) for name in unknown], "@e31(...)")
+                                + ", ".join(sorted(_REQUEST_FIELDS - {"start"}))) for name in unknown], "@e31(...)")
+    if "start" in request:
+        raise JobError([Problem("start", request["start"], "a called flow starts now; for a later start, deploy "
+                                "it with a schedule (prefect deploy) or submit a job file (e31 submit)")], "@e31(...)")
 
     def bind(flow: Flow[P, R]) -> E31Flow[P, R]:
         source = Path(inspect.getfile(flow.fn)).resolve()

@@ -101,14 +101,20 @@ async def point_result_at_outputs(client: PrefectClient, flow_run_id: UUID, outp
     return url
 
 
+async def wait_released(client: PrefectClient, flow_run_id: UUID, poll_seconds: float = 0.5) -> Any:
+    """The flow run once its e31 worker has released it (its meter tags are set)."""
+    while True:
+        flow_run = await client.read_flow_run(flow_run_id)
+        if any(tag.startswith("e31:billed-s=") for tag in flow_run.tags) and flow_run.state is not None:
+            return flow_run
+        await asyncio.sleep(poll_seconds)
+
+
 async def released_result(client: PrefectClient, flow_run_id: UUID, poll_seconds: float = 0.5) -> Any:
-    """A run's return value, once its e31 worker has released it (its meter tags are set).
+    """A run's return value, once its e31 worker has released it.
 
     Only then does its Completed state point at the copy sent with the outputs; before, it points
     at the job's own workspace. A run that did not complete raises as ``state.result()`` does.
     """
-    while True:
-        flow_run = await client.read_flow_run(flow_run_id)
-        if any(tag.startswith("e31:billed-s=") for tag in flow_run.tags) and flow_run.state is not None:
-            return await flow_run.state.aresult()
-        await asyncio.sleep(poll_seconds)
+    flow_run = await wait_released(client, flow_run_id, poll_seconds)
+    return await flow_run.state.aresult()

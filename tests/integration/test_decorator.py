@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
+from prefect import get_client
+from prefect.client.schemas.filters import WorkPoolFilter, WorkPoolFilterName
 
 from tests.integration.conftest import cli
 from tests.integration.test_jobs_end_to_end import read_run
@@ -18,7 +24,7 @@ import json, os
 from prefect import flow
 from e31_prefect import e31, data_dir, output_dir
 
-@e31(work_pool=os.environ["POOL"], gpus=1, max_duration="5m", deadline="+1h", team="vision",
+@e31(work_pool=os.environ.get("POOL", "gpu"), gpus=1, max_duration="5m", deadline="+1h", team="vision",
      data=["./in.txt"], output="file://./out/{flow_run.id}/", expect=["echo.txt"])
 @flow
 def echo(times: int = 2) -> dict:
@@ -69,3 +75,33 @@ def test_an_e31_flow_that_fails_raises_in_the_caller_with_the_jobs_reason(prefec
     ran = cli("python", str(tmp_path / "job.py"), env={"POOL": pool}, cwd=tmp_path)
     assert ran.returncode != 0
     assert "Expected output missing: never.txt" in ran.stderr
+
+
+def test_an_e31_flow_called_where_its_gpus_are_not_waits_for_a_pool_worker(prefect_server, tmp_path: Path, pool):
+    (tmp_path / "in.txt").write_text("hi\n")
+    (tmp_path / "job.py").write_text(textwrap.dedent(SCRIPT))
+    # This host declares no GPU: the call's own worker cannot rent, so the run goes to the pool,
+    # where a worker with a GPU (started after the call) takes it; the caller gets the value.
+    caller = subprocess.Popen([sys.executable, str(tmp_path / "job.py")], cwd=tmp_path, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env={**os.environ, "POOL": pool, "E31_GPUS": ""})
+    try:
+        deadline = time.monotonic() + 120
+        while not waiting_runs(pool) and time.monotonic() < deadline:
+            assert caller.poll() is None, caller.communicate()
+            time.sleep(1)
+        worker = cli("prefect", "worker", "start", "--pool", pool, "--type", "e31", "--run-once", gpus="1xH100")
+        assert worker.returncode == 0, worker.stdout + worker.stderr
+        out, err = caller.communicate(timeout=120)
+    finally:
+        caller.kill()
+    assert caller.returncode == 0, out + err
+    assert "waits in work pool" in err
+    [line] = [line for line in out.splitlines() if line.startswith("RESULT ")]
+    assert json.loads(line.removeprefix("RESULT "))["text"] == "hihihi"
+
+
+def waiting_runs(pool: str) -> list:
+    with get_client(sync_client=True) as client:
+        return [run for run in client.read_flow_runs(work_pool_filter=WorkPoolFilter(
+            name=WorkPoolFilterName(any_=[pool]))) if run.state and run.state.is_scheduled()]

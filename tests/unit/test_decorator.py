@@ -55,3 +55,16 @@ def test_flow_names_become_job_names():
     assert job_name("Nightly track!") == "Nightly-track"
     assert job_name("retrain") == "retrain"
     assert job_name("***") == "flow"
+
+
+def test_a_start_time_is_refused_since_a_called_flow_starts_now():
+    with pytest.raises(JobError) as raised:
+        e31(work_pool="gpu", gpus=1, max_duration="1h", start="22:00")
+    assert "start = '22:00'" in str(raised.value) and "prefect deploy" in str(raised.value)
+
+
+def test_calling_the_flow_while_its_own_job_loads_it_is_refused(monkeypatch):
+    bound = e31(work_pool="gpu", max_duration="1h")(track)
+    monkeypatch.setenv("PREFECT__FLOW_ENTRYPOINT", bound.job_variables["work"]["flow"])
+    with pytest.raises(RuntimeError, match="__main__"):
+        bound(threshold=1)
