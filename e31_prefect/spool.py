@@ -22,7 +22,7 @@ import shutil
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 from uuid import UUID
 
@@ -209,11 +209,35 @@ async def record_sent(client: Any, flow_run_id: UUID, kept: Kept, sent: Sent) ->
         flow_run_id=flow_run_id))
     run = await client.read_flow_run(flow_run_id)
     if run.state is not None and run.state.name == OUTPUT_NOT_SENT and kept.flow_state == "Completed":
-        await client.set_flow_run_state(flow_run_id, Completed(
-            message=f"Outputs sent {now} by e31 outputs retry to {sent.destination} ({sent.files} file(s))."),
-            force=True)
+        message = f"Outputs sent {now} by e31 outputs retry to {sent.destination} ({sent.files} file(s))."
+        completed = await _completed_reading_sent_result(client, flow_run_id, kept, sent.destination, message)
+        await client.set_flow_run_state(flow_run_id, completed or Completed(message=message), force=True)
         return "Completed"
     return run.state.name if run.state else None
+
+
+async def _completed_reading_sent_result(client: Any, flow_run_id: UUID, kept: Kept, destination: str,
+                                         message: str) -> Any:
+    """The flow's own Completed state again, its result read from the copy just sent; None if it left none."""
+    from prefect.results import ResultRecordMetadata
+
+    from e31_prefect import results
+    from e31_prefect.blocks import load_storage, result_block_id
+
+    states = await client.read_flow_run_states(flow_run_id)
+    flow_completed = next((state for state in reversed(states) if state.is_completed()
+                           and isinstance(state.data, ResultRecordMetadata)), None)
+    if flow_completed is None:
+        return None
+    key = PurePosixPath(flow_completed.data.storage_key or "").name
+    if f"{results.RESULTS_FOLDER}/{key}" not in {file["path"] for file in kept.files}:
+        return None
+    url = results.result_url(destination, key)
+    block_id = None if url.startswith("file://") else await result_block_id(
+        await load_storage(kept.storage) if kept.storage else None, client)
+    state = results.state_reading_from(flow_completed, url, block_id)
+    state.message = message
+    return state
 
 
 async def retry(run_id: str, spool: Path, destination: str | None = None) -> int:

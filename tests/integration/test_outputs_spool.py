@@ -55,7 +55,8 @@ def store_env(server: ThreadedMotoServer) -> dict[str, str]:
             "AWS_SECRET_ACCESS_KEY": "spool-secret", "AWS_DEFAULT_REGION": "us-east-1"}
 
 
-def test_outputs_survive_the_store_stopping_mid_upload_and_retry_sends_them(prefect_server, tmp_path, pool):
+def test_outputs_survive_the_store_stopping_mid_upload_and_retry_sends_them(prefect_server, tmp_path, pool,
+                                                                            monkeypatch):
     server = own_server()
     env = store_env(server)
     port = server.get_host_and_port()[1]
@@ -108,6 +109,10 @@ def test_outputs_survive_the_store_stopping_mid_upload_and_retry_sends_them(pref
         assert {path: fs.cat(f"{prefix}{path}") for path in on_disk} == on_disk
         assert not kept.parent.exists()
         assert read_run(run_id).state.name == "Completed"  # the flow had completed; only its outputs failed
+        # Its return value, sent with the outputs, reads back (through the store, with the caller's credentials).
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        assert read_run(run_id).state.result() == FILES
         again = cli("e31", "outputs", "retry", str(run_id), env=env)
         assert again.returncode == 0 and "Nothing kept" in again.stdout
     finally:
