@@ -27,6 +27,7 @@ from uuid import UUID
 import anyio
 import anyio.abc
 from prefect.client.schemas.objects import FlowRun
+from prefect.context import TagsContext
 from prefect.exceptions import ObjectNotFound
 from prefect.settings import PREFECT_API_URL
 from prefect.states import Cancelled, Crashed, Pending, Scheduled
@@ -330,7 +331,8 @@ class E31Worker(DockerWorker):
         if flow_run is None:
             flow_run = await self.client.create_flow_run(
                 flow, parameters=flow.serialize_parameters(parameters or {}), state=Pending(),
-                job_variables=job_variables, work_pool_name=self.work_pool.name, tags=["e31"])
+                job_variables=job_variables, work_pool_name=self.work_pool.name,
+                tags=sorted(TagsContext.get().current_tags | {"e31"}))  # with the caller's `tags(...)`
         if task_status is not None:
             task_status.started(flow_run)
         configuration = await self.job_configuration.from_template_and_values(
