@@ -105,3 +105,18 @@ def waiting_runs(pool: str) -> list:
     with get_client(sync_client=True) as client:
         return [run for run in client.read_flow_runs(work_pool_filter=WorkPoolFilter(
             name=WorkPoolFilterName(any_=[pool]))) if run.state and run.state.is_scheduled()]
+
+
+def test_an_e31_flow_with_an_image_runs_in_a_container_and_returns_its_value(prefect_server, job_image,
+                                                                             tmp_path: Path, pool):
+    (tmp_path / "in.txt").write_text("hey\n")
+    script = textwrap.dedent(SCRIPT).replace('team="vision",', f'team="vision", image="{job_image}",')
+    script = script.replace('"secrets":', '"in_container": os.path.exists("/.dockerenv"), "secrets":')
+    (tmp_path / "job.py").write_text(script)
+    ran = cli("python", str(tmp_path / "job.py"), gpus="1xH100", env={"POOL": pool}, cwd=tmp_path)
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    [line] = [line for line in ran.stdout.splitlines() if line.startswith("RESULT ")]
+    result = json.loads(line.removeprefix("RESULT "))
+    assert result == {"text": "heyheyhey", "devices": "0", "in_container": True, "secrets": []}
+    [out] = (tmp_path / "out").iterdir()
+    assert (out / "echo.txt").read_text() == "heyheyhey"
