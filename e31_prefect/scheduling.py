@@ -96,22 +96,27 @@ class WaitingQueue:
             if self._by_id[run.id] == run:
                 return
             self.discard(run.id)
+        key = self._remember(run)
+        if key is not None:
+            at = bisect.bisect(self._keys, key)
+            self._keys.insert(at, key)
+            self._runs.insert(at, run)
+
+    def _remember(self, run: WaitingRun) -> tuple | None:
+        """Know ``run``; its place in the order, or None for a run kept apart (it needs no GPU)."""
         self._by_id[run.id] = run
         if run.gpus == 0:
             self._gpuless[run.id] = run
-            return
+            return None
         self._added += 1
-        key = (*self.order(run), self._added)  # the count keeps equal keys in arrival order
-        at = bisect.bisect(self._keys, key)
-        self._keys.insert(at, key)
-        self._runs.insert(at, run)
+        return (*self.order(run), self._added)  # the count keeps equal keys in arrival order
 
     def discard(self, run_id: Hashable) -> None:
         """Take a run out (started, missed or gone from the pool); unknown ids are ignored."""
         run = self._by_id.pop(run_id, None)
         if run is None or self._gpuless.pop(run_id, None) is not None:
             return
-        at = bisect.bisect_left(self._keys, tuple(self.order(run)))
+        at = bisect.bisect_left(self._keys, self.order(run))
         while self._runs[at].id != run_id:
             at += 1
         del self._keys[at], self._runs[at]
@@ -125,12 +130,9 @@ class WaitingQueue:
         if len(new) > len(self._runs) // 8:
             # Many newcomers: one sort beats many inserts.
             for run in new:
-                self._by_id[run.id] = run
-                if run.gpus == 0:
-                    self._gpuless[run.id] = run
-                else:
-                    self._added += 1
-                    self._keys.append((*self.order(run), self._added))
+                key = self._remember(run)
+                if key is not None:
+                    self._keys.append(key)
                     self._runs.append(run)
             placed = sorted(zip(self._keys, self._runs, strict=True), key=lambda pair: pair[0])
             self._keys, self._runs = [k for k, _ in placed], [r for _, r in placed]
@@ -264,11 +266,11 @@ def decide(
             break  # nothing can start now and no more promises are made
         if not promising and run.gpus > idle:
             continue
-        found = _earliest(models, run, math.inf if promising else 0.0)
+        length = _seconds(run.duration)
+        found = _earliest(models, run, length, math.inf if promising else 0.0)
         if found is None:
             continue
         model, start = found
-        length = _seconds(run.duration)
         model.hold(run.gpus, start, length)
         if start == 0.0:
             devices, model.idle = model.idle[: run.gpus], model.idle[run.gpus:]
@@ -280,10 +282,11 @@ def decide(
     return decision
 
 
-def _earliest(models: list[_Model], run: WaitingRun, horizon: float) -> tuple[_Model, float] | None:
-    """The model (and the time from now) where ``run`` can start soonest, not after ``horizon``."""
+def _earliest(models: list[_Model], run: WaitingRun, length: float,
+              horizon: float) -> tuple[_Model, float] | None:
+    """The model (and the time from now) where ``run`` can hold its devices for ``length`` seconds
+    soonest, not after ``horizon``."""
     best: tuple[_Model, float] | None = None
-    length = _seconds(run.duration)
     for model in models:
         if model.size < run.gpus or not matches(model.first, run.gpu_type):
             continue
