@@ -82,11 +82,9 @@ def tree_bytes(root: Path) -> tuple[int, int]:
 
 
 def fresh(path: Path) -> Path:
-    if path.exists():
-        from e31_prefect.staging import make_writable
+    from e31_prefect.staging import remove_workspace
 
-        make_writable(path)
-        shutil.rmtree(path)
+    remove_workspace(path)
     return path
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import inspect
 import os
-import re
 import sys
 import warnings
 from collections.abc import Callable, Iterable
@@ -34,7 +33,7 @@ from prefect.utilities.asyncutils import run_coro_as_sync
 from prefect.utilities.callables import get_call_parameters
 from typing_extensions import ParamSpec
 
-from e31_prefect.job import JobError, Problem, Request, anchor, parse_job
+from e31_prefect.job import JobError, Problem, Request, anchor, job_name, parse_job
 from e31_prefect.results import wait_released
 from e31_prefect.submission import DEFAULT_POOL
 
@@ -134,11 +133,6 @@ def e31(
         return bound
 
     return bind
-
-
-def job_name(flow_name: str) -> str:
-    """A flow's name as an E31 job name (letters, digits, '.', '_', '-')."""
-    return re.sub(r"[^A-Za-z0-9._-]+", "-", flow_name).strip("-._")[:63] or "flow"
 
 
 def _worker_class() -> type:

@@ -41,6 +41,11 @@ OUTPUT_PLACEHOLDERS = ("flow_run.id", "flow_run.name", "date", "job")
 JOB_VARIABLE_KEYS = ("team", "timezone", "work", "data", "request", "output", "storage")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 
+def job_name(text: str) -> str:
+    """Any name (a flow's, say) as a valid job name: letters, digits, '.', '_' and '-'."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-._")[:63] or "flow"
+
+
 Duration = Annotated[
     timedelta,
     BeforeValidator(timing.parse_duration),

@@ -14,7 +14,6 @@ import os
 import signal
 from datetime import datetime, timezone
 from pathlib import Path
-from shutil import rmtree
 from typing import Any
 from uuid import UUID
 
@@ -24,10 +23,11 @@ from prefect.exceptions import ObjectNotFound
 from prefect.states import Crashed
 
 from e31_prefect import quotas, reporting
+from e31_prefect import spool as spooling
 from e31_prefect.blocks import StorageBlockError, storage_options
 from e31_prefect.ledger import Holding, Ledger
 from e31_prefect.meter import Meter
-from e31_prefect.staging import UploadError, make_writable, spool_outputs, upload_outputs
+from e31_prefect.staging import UploadError, remove_workspace, upload_outputs
 
 logger = logging.getLogger("e31.recovery")
 
@@ -83,34 +83,33 @@ async def recover(client: PrefectClient, ledger: Ledger, spool: Path) -> list[UU
                 message=f"The e31 worker running this job died (last heartbeat {last_seen}); its "
                 "run was stopped, its devices released and its meter closed at that heartbeat."), force=True)
         try:
-            options = await storage_options(holding.storage)
+            options, sendable = await storage_options(holding.storage), True
         except StorageBlockError as exc:
-            # Without the job's credentials its outputs cannot be sent: the spool keeps them.
+            # Without the job's credentials its outputs cannot be sent now: the spool keeps them,
+            # with their destination, for `e31 outputs retry`.
             logger.warning("Outputs of %s go to the spool: %s", run_id, exc)
-            options, holding.destination = None, None
-        outputs = await anyio.to_thread.run_sync(_send_what_was_written, holding, spool, options)
+            options, sendable = None, False
+        outputs = await anyio.to_thread.run_sync(_send_what_was_written, holding, spool, options, sendable)
         report = reporting.JobReport(client, flow_run, [])
         await report.close(meter, holding.job_name, "worker-lost", outputs)
         report.step("released", recovered=True, billed_seconds=round(meter.billed_seconds, 3))
-        workspace = Path(holding.workspace)
-        if workspace.exists():
-            make_writable(workspace)
-            rmtree(workspace, ignore_errors=True)
+        remove_workspace(Path(holding.workspace))
         ledger.forget(holding.flow_run_id)
         logger.warning("Recovered flow run %s left by a dead worker: closed at %s", run_id, last_seen)
         recovered.append(run_id)
     return recovered
 
 
-def _send_what_was_written(holding: Holding, spool: Path, options: dict[str, Any] | None) -> str | None:
+def _send_what_was_written(holding: Holding, spool: Path, options: dict[str, Any] | None,
+                           sendable: bool) -> str | None:
     output_dir = Path(holding.workspace) / "output"
     if not output_dir.exists() or not any(output_dir.rglob("*")):
         return None
-    if holding.destination:
+    if holding.destination and sendable:
         with contextlib.suppress(UploadError):
             upload_outputs(output_dir, holding.destination, options, attempts=2)
             return holding.destination
     # The manifest keeps where they were going, so `e31 outputs retry` can send them later.
-    return spool_outputs(output_dir, spool, holding.flow_run_id, holding.destination, holding.storage,
+    return spooling.keep(output_dir, spool, holding.flow_run_id, holding.destination, holding.storage,
                          job_name=holding.job_name,
-                         reason="the store did not take them while a dead worker's run was recovered")
+                         reason="the store did not take them while a dead worker's run was recovered").outputs_url

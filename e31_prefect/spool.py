@@ -26,6 +26,8 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 from uuid import UUID
 
+from e31_prefect.staging import UploadError, upload_outputs
+
 MANIFEST = "manifest.json"
 RETRY_COMMAND = "e31 outputs retry {run_id}"
 
@@ -146,8 +148,6 @@ def send_kept(spool: Path, flow_run_id: str, options: dict[str, Any] | None, des
 
     The entry is removed only after every file is verified in the store; on failure it stays as it was.
     """
-    from e31_prefect.staging import UploadError, upload_outputs
-
     with _only_one_retry(spool, flow_run_id):
         kept = read(spool, flow_run_id)
         if kept is None:

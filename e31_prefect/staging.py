@@ -12,6 +12,7 @@ spool (:mod:`e31_prefect.spool`) for ``e31 outputs retry``.
 from __future__ import annotations
 
 import logging
+import shutil
 import stat
 import threading
 import time
@@ -245,6 +246,13 @@ def _make_read_only(root: Path) -> None:
         path.chmod(mode & ~(stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH))
 
 
+def remove_workspace(root: Path) -> None:
+    """Remove a run's workspace, its read-only data included (hard links to the cache stay in the cache)."""
+    if root.exists():
+        make_writable(root)
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def make_writable(root: Path) -> None:
     """Give folders their write bits back so a workspace can be removed.
 
@@ -261,14 +269,6 @@ def make_writable(root: Path) -> None:
 def missing_outputs(output_dir: Path, expect: Iterable[str]) -> list[str]:
     """Expected outputs the run did not write."""
     return [name for name in expect if not (output_dir / name).exists()]
-
-
-def spool_outputs(output_dir: Path, spool: Path, flow_run_id: str, destination: str | None = None,
-                  storage: str | None = None, **details: Any) -> str:
-    """Keep outputs that could not be sent under the host's spool; returns their ``file://`` URL."""
-    from e31_prefect import spool as spooling
-
-    return spooling.keep(output_dir, spool, flow_run_id, destination, storage, **details).outputs_url
 
 
 def upload_outputs(

@@ -19,7 +19,6 @@ import os
 import sys
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from shutil import rmtree
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Literal
 from uuid import UUID
@@ -38,9 +37,8 @@ from pydantic import Field, PrivateAttr
 from e31_prefect import quotas, reporting, results, timing
 from e31_prefect import spool as spooling
 from e31_prefect.blocks import E31Storage, StorageBlockError, load_storage
-from e31_prefect.decorators import job_name
 from e31_prefect.inventory import Device, Inventory, discover, pick_devices
-from e31_prefect.job import JOB_VARIABLE_KEYS, DataInput, Job, JobError, Output, Request, Work, anchor
+from e31_prefect.job import JOB_VARIABLE_KEYS, DataInput, Job, JobError, Output, Request, Work, anchor, job_name
 from e31_prefect.ledger import Holding, Ledger, this_process
 from e31_prefect.meter import Meter
 from e31_prefect.recovery import recover
@@ -52,8 +50,8 @@ from e31_prefect.settings import E31Settings
 from e31_prefect.staging import (
     StagingError,
     UploadError,
-    make_writable,
     missing_outputs,
+    remove_workspace,
     stage_inputs,
     upload_outputs,
 )
@@ -388,6 +386,7 @@ class JobLife:
         self.holding: Holding | None = None
         self.lease: UUID | None = None
         self.storage: E31Storage | None = None  # the job's storage block, loaded before staging
+        self.options: dict[str, Any] | None = None  # its fsspec options (None: the default credential chain)
         self.handed_back = False
         self._started = False
 
@@ -455,8 +454,8 @@ class JobLife:
         output_dir.mkdir(parents=True, exist_ok=True)
         try:
             self.storage = await load_storage(job.storage) if job.storage else None
-            options = self.storage.fsspec_options() if self.storage else None
-            staged = await anyio.to_thread.run_sync(stage_inputs, job.data, data_dir, options, self.log)
+            self.options = self.storage.fsspec_options() if self.storage else None
+            staged = await anyio.to_thread.run_sync(stage_inputs, job.data, data_dir, self.options, self.log)
         except (StagingError, StorageBlockError) as exc:
             await self._refuse(reporting.STAGING_FAILED, f"Staging failed before any GPU was rented: {exc}")
             return 1
@@ -630,8 +629,8 @@ class JobLife:
     async def _send_outputs(self, job: Job, output_dir: Path) -> None:
         destination = self._destination(job)
         try:
-            options = self.storage.fsspec_options() if self.storage else None
-            sent = await anyio.to_thread.run_sync(upload_outputs, output_dir, destination, options, 3, 1.0, self.log)
+            sent = await anyio.to_thread.run_sync(upload_outputs, output_dir, destination, self.options, 3, 1.0,
+                                                  self.log)
         except UploadError as exc:
             # Kept with a manifest (destination, storage block name, how the flow ended) for `e31 outputs retry`.
             state = (await self.worker.client.read_flow_run(self.flow_run.id)).state
@@ -687,6 +686,5 @@ class JobLife:
         self.report.step("released", self.devices, billed_seconds=round(self.meter.billed_seconds, 3),
                          billed_gpu_seconds=round(self.meter.billed_gpu_seconds, 3), gpus=self.meter.gpus)
         self.worker.ledger.forget(str(self.flow_run.id))
-        if not self.worker.settings.keep_workspaces and self.workspace.exists():
-            make_writable(self.workspace)
-            rmtree(self.workspace, ignore_errors=True)
+        if not self.worker.settings.keep_workspaces:
+            remove_workspace(self.workspace)
