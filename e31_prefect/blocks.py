@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from uuid import UUID
 
 import fsspec
+from fsspec.core import url_to_fs
 from prefect._internal.compatibility.async_dispatch import async_dispatch
 from prefect.filesystems import WritableFileSystem
 from prefect.utilities.asyncutils import run_sync_in_worker_thread
@@ -91,9 +92,10 @@ class E31Storage(WritableFileSystem):
         return {"s3": s3}
 
     def _filesystem(self, path: str) -> tuple[fsspec.AbstractFileSystem, str]:
-        from e31_prefect.store import filesystem
-
-        return filesystem(path, self.fsspec_options())
+        scheme = path.split("://", 1)[0] if "://" in path else "file"
+        # A fresh instance each time: fsspec's instance cache keys on these options only, so a cached one
+        # could carry an endpoint or credentials s3fs took from another environment (store.filesystem caches).
+        return url_to_fs(path, skip_instance_cache=True, **self.fsspec_options().get(scheme, {}))
 
     def _read(self, path: str) -> bytes:
         fs, target = self._filesystem(path)
