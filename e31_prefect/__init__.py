@@ -3,13 +3,39 @@
 Flow code reads :func:`data_dir` and writes :func:`output_dir`; :func:`e31` binds a
 flow to an e31 pool so that calling it runs it as an E31 job; the worker
 type ``e31`` and the ``E31 Storage`` block are registered through the
-``prefect.collections`` entry point.
+``prefect.collections`` entry point (``e31_prefect.worker``).
+
+The other public names load on first use: a job's own process (``from e31_prefect
+import output_dir``) and a run's supervisor import this package, and neither
+should pay for importing Prefect's worker and the Docker client.
 """
 
-from e31_prefect.blocks import E31Storage
-from e31_prefect.decorators import e31
+from __future__ import annotations
+
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
 from e31_prefect.dirs import data_dir, output_dir
-from e31_prefect.job import Job, JobError, load_job_file
-from e31_prefect.worker import E31Worker
+
+if TYPE_CHECKING:
+    from e31_prefect.blocks import E31Storage
+    from e31_prefect.decorators import e31
+    from e31_prefect.job import Job, JobError, load_job_file
+    from e31_prefect.worker import E31Worker
+
+_LAZY = {
+    "E31Storage": "e31_prefect.blocks",
+    "E31Worker": "e31_prefect.worker",
+    "e31": "e31_prefect.decorators",
+    "Job": "e31_prefect.job",
+    "JobError": "e31_prefect.job",
+    "load_job_file": "e31_prefect.job",
+}
 
 __all__ = ["E31Storage", "E31Worker", "e31", "Job", "JobError", "data_dir", "load_job_file", "output_dir"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'e31_prefect' has no attribute {name!r}")

@@ -4,14 +4,24 @@
 an inventory; without it the worker asks NVML, and finds none where NVML does
 not answer. Renting is all-or-nothing and per flow run, so returning a run's
 devices twice is harmless.
+
+A device is rented to one run at a time per host, whatever worker process asks
+(any pool, any ``E31_HOME``): renting takes an exclusive ``flock`` on the
+device's file in a host-wide folder (``E31_DEVICE_LOCKS``). The kernel drops a
+lock when the last process holding it dies, so a killed worker or supervisor
+never leaves a device rented.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import os
 import re
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from uuid import UUID
 
 _REPEAT = re.compile(r"^(\d+)\s*[xX]\s*(\S.*)$")
@@ -106,18 +116,63 @@ def pick_devices(free: Sequence[Device], gpus: int, gpu_type: str | None) -> lis
     return next((devices[:gpus] for devices in models.values() if len(devices) >= gpus), None)
 
 
-class Inventory:
-    """This host's devices and the flow run renting each; safe to share between threads."""
+class HostLocks:
+    """One lock file per device index in a folder every e31 process on the host shares.
 
-    def __init__(self, devices: Iterable[Device]):
+    flock, not a lock library: the lock must pass to a run's supervisor as an open file (so it
+    outlives the worker) and be released by the kernel when its last holder dies.
+    """
+
+    def __init__(self, root: Path):
+        self.root = root
+
+    def _open(self, device: Device) -> int:
+        self.root.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(PermissionError):  # another user made it: it is theirs to open up
+            self.root.chmod(0o1777)  # every user's workers share it, as /tmp is shared
+        fd = os.open(self.root / f"gpu-{device.index}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        with contextlib.suppress(PermissionError):
+            os.fchmod(fd, 0o666)
+        return fd
+
+    def take(self, device: Device) -> int | None:
+        """An open file holding the device's lock, or None when another holder has it."""
+        fd = self._open(device)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        return fd
+
+    def held_elsewhere(self, device: Device) -> bool:
+        """Whether some other holder (another worker or a run's supervisor) has the device now."""
+        fd = self.take(device)
+        if fd is None:
+            return True
+        os.close(fd)
+        return False
+
+
+class Inventory:
+    """This host's devices and the flow run renting each; safe to share between threads.
+
+    With ``locks``, a device is also taken on the host's lock folder, so two worker processes
+    never rent it at once; :meth:`lock_files` hands the held locks to the run's supervisor.
+    """
+
+    def __init__(self, devices: Iterable[Device], locks: Path | None = None):
         self.devices: list[Device] = sorted(devices)
         self._holder: dict[Device, UUID] = {}
+        self._files: dict[Device, int] = {}
+        self._host = HostLocks(locks) if locks is not None else None
         self._lock = threading.Lock()
 
     def free(self) -> list[Device]:
-        """Devices no run holds now."""
+        """Devices no run holds now, here or in another process on this host."""
         with self._lock:
-            return [d for d in self.devices if d not in self._holder]
+            mine = [d for d in self.devices if d not in self._holder]
+        return [d for d in mine if self._host is None or not self._host.held_elsewhere(d)]
 
     def hold(self, flow_run_id: UUID, devices: Sequence[Device]) -> bool:
         """Hold exactly these devices for the run if all are free; otherwise hold nothing."""
@@ -126,17 +181,40 @@ class Inventory:
                 return False
             if any(d not in self.devices for d in devices):
                 return False
+            taken: dict[Device, int] = {}
+            for device in devices:
+                if device in self._files or self._host is None:
+                    continue
+                fd = self._host.take(device)
+                if fd is None:
+                    for fd in taken.values():
+                        os.close(fd)
+                    return False
+                taken[device] = fd
+            self._files.update(taken)
             for device in devices:
                 self._holder[device] = flow_run_id
             return True
 
     def give_back(self, flow_run_id: UUID) -> list[Device]:
-        """Return every device the run holds to the pool; returns what was freed."""
+        """Return every device the run holds to the pool; returns what was freed.
+
+        Closing the lock files frees the devices on the host unless the run's supervisor,
+        which holds the same open files, still runs.
+        """
         with self._lock:
             freed = self._held(flow_run_id)
             for device in freed:
                 del self._holder[device]
+                fd = self._files.pop(device, None)
+                if fd is not None:
+                    os.close(fd)
             return freed
+
+    def lock_files(self, flow_run_id: UUID) -> list[int]:
+        """The open lock files of the run's devices, to hand to its supervisor."""
+        with self._lock:
+            return [self._files[d] for d in self._held(flow_run_id) if d in self._files]
 
     def holders(self) -> dict[Device, UUID]:
         """Each held device and the run holding it."""

@@ -1,24 +1,49 @@
-"""What the e31 workers on this host hold, kept on disk so a restarted worker can clean up after a killed one.
+"""What the e31 workers and run supervisors on this host hold, on disk, so no worker death loses it.
 
-One JSON file per running flow run under ``$E31_HOME/ledger/``: which worker
-process holds it, its process or container, its devices, its meter marks so
-far and its last heartbeat. A worker that starts reads the entries whose
-worker process is gone: their runs are stopped, closed at their last
-heartbeat and released, so no GPU stays held and no meter keeps running.
+One folder per held flow run under ``$E31_HOME/ledger/<flow run id>/``:
+
+- ``holding.json`` (the worker's): which worker holds the run, its job, devices,
+  workspace, destination, lease and meter marks so far;
+- ``spec.json`` (the worker's, for the supervisor): what to run and until when;
+- ``record.json`` (the supervisor's alone): when the work started, when it
+  reported its end, when it ended and how, its exit code;
+- ``work-ended``: the pipe the job writes its end to; ``supervisor.log``, ``output.log``.
+
+Every file is written whole and atomically (a crash leaves the old or the new
+version). A worker that starts reads the folders whose worker is gone and
+adopts the runs (their supervisors keep them bounded meanwhile) or closes them
+from the supervisor's record. Only the standard library: the supervisor reads
+and writes these files too.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
-from dataclasses import asdict, dataclass, field
-from datetime import datetime
+import shutil
+from dataclasses import asdict, dataclass, field, fields
+from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def now() -> datetime:
+    """The wall clock in UTC (the ledger's times are all UTC)."""
+    return datetime.now(timezone.utc)
+
+
+def moment(text: str | None) -> datetime | None:
+    """A ledger time back as a datetime."""
+    return datetime.fromisoformat(text) if text else None
 
 
 @dataclass
 class Holding:
-    """One run held by one worker process on this host."""
+    """One run held by one worker process on this host (written by the worker)."""
 
     flow_run_id: str
     worker_pid: int
@@ -26,19 +51,155 @@ class Holding:
     job_name: str
     devices: list[int]
     workspace: str
+    job: dict[str, Any] = field(default_factory=dict)  # the validated job, to finish the run's life elsewhere
+    pool: str | None = None
     destination: str | None = None
-    infrastructure: str | None = None  # process group id, or container id
-    lease: str | None = None  # the pool/team quota lease, released on recovery
+    lease: str | None = None  # the pool/team quota lease, released when the run ends
     runtime: str = "process"
     gpus: int = 0
     team: str | None = None
     storage: str | None = None  # the job's E31 Storage block, to send what it wrote with its credentials
+    stop_at: str | None = None  # the time limit: when the supervisor stops the work
     marks: dict[str, str] = field(default_factory=dict)
-    heartbeat: str | None = None
 
     def marks_as_datetimes(self) -> dict[str, datetime]:
         """The meter marks recorded so far."""
         return {step: datetime.fromisoformat(at) for step, at in self.marks.items()}
+
+
+@dataclass
+class Spec:
+    """What a run's supervisor runs, and its bounds (written by the worker before the supervisor starts)."""
+
+    run_id: str
+    runtime: str  # "process" or "container"
+    stop_at: str | None  # the time limit, absolute (UTC)
+    grace_seconds: float = 10.0  # from SIGTERM (or docker stop) to SIGKILL
+    report_grace_seconds: float = 60.0  # how long a job that reported its end may take to report it to Prefect
+    argv: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    cwd: str | None = None
+    user: int | None = None  # run the work as this uid/gid (process runtime)
+    group: int | None = None
+    memory_bytes: int | None = None
+    pids_limit: int | None = None
+    container_label: str | None = None  # label=value naming the run's container, if the worker never names it
+
+
+@dataclass
+class Record:
+    """What the supervisor saw of the work (written by the supervisor alone)."""
+
+    supervisor_pid: int | None = None
+    supervisor_started: str | None = None
+    cgroup: str | None = None  # the run's cgroup v2 folder, if it had one
+    limits: dict[str, bool] = field(default_factory=dict)  # which request limits the host enforced
+    notes: list[str] = field(default_factory=list)
+    infrastructure: str | None = None  # the work's pid, or its container id
+    started: str | None = None
+    work_ended: str | None = None  # the job reported its work done (before reporting to Prefect)
+    stop_reason: str | None = None  # "time-limit", "stop-requested", "report-overdue"
+    stop_requested: str | None = None
+    ended: str | None = None  # the work's last process is gone
+    exit_code: int | None = None
+    ending: str | None = None  # "exited", "timed-out", "stopped", "out-of-memory", "not-started"
+    message: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        """Whether the supervisor saw the work end (or never start)."""
+        return self.ending is not None
+
+
+def write_json(path: Path, data: Any) -> None:
+    """Replace ``path`` with ``data`` as JSON, atomically and durably."""
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(temporary, "w") as handle:
+        json.dump(data, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+    temporary.replace(path)
+    with contextlib.suppress(OSError):
+        folder = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(folder)
+        finally:
+            os.close(folder)
+
+
+def read_json(path: Path, kind: type[T]) -> T | None:
+    """A dataclass back from its JSON file; None when missing or unreadable. Unknown keys are ignored."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    known = {f.name for f in fields(kind)}  # type: ignore[arg-type]
+    try:
+        return kind(**{k: v for k, v in data.items() if k in known})
+    except TypeError:
+        return None
+
+
+class RunFolder:
+    """One held run's folder in the ledger."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    @property
+    def run_id(self) -> str:
+        """The flow run's id."""
+        return self.path.name
+
+    holding_file = property(lambda self: self.path / "holding.json")
+    spec_file = property(lambda self: self.path / "spec.json")
+    record_file = property(lambda self: self.path / "record.json")
+    work_ended_pipe = property(lambda self: self.path / "work-ended")
+    supervisor_log = property(lambda self: self.path / "supervisor.log")
+    output_log = property(lambda self: self.path / "output.log")
+
+    def own(self) -> int | None:
+        """Take the run's owner lock (an open file; None if a live worker owns the run).
+
+        The worker living the run holds it; the kernel drops it when that worker dies, and the
+        run is then an orphan for another worker on the host to adopt.
+        """
+        self.path.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path / "owner.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        return fd
+
+    def holding(self) -> Holding | None:
+        """The worker's entry."""
+        return read_json(self.holding_file, Holding)
+
+    def spec(self) -> Spec | None:
+        """What the supervisor runs."""
+        return read_json(self.spec_file, Spec)
+
+    def record(self) -> Record | None:
+        """What the supervisor saw."""
+        return read_json(self.record_file, Record)
+
+    def write_holding(self, holding: Holding) -> None:
+        """Write (or rewrite) the worker's entry."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        write_json(self.holding_file, asdict(holding))
+
+    def write_spec(self, spec: Spec) -> None:
+        """Write what the supervisor will run."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        write_json(self.spec_file, asdict(spec))
+
+    def write_record(self, record: Record) -> None:
+        """The supervisor's own record of the work (only the supervisor calls this)."""
+        write_json(self.record_file, asdict(record))
 
 
 def _stat(pid: int) -> list[str] | None:
@@ -51,14 +212,19 @@ def _stat(pid: int) -> list[str] | None:
 
 def process_start_time(pid: int) -> str | None:
     """When a process started (in clock ticks since boot, from /proc); None if it does not exist."""
-    fields = _stat(pid)
-    return fields[19] if fields else None
+    fields_ = _stat(pid)
+    return fields_[19] if fields_ else None
 
 
 def process_running(pid: int) -> bool:
     """Whether a process runs (a killed one left unreaped as a zombie does not)."""
-    fields = _stat(pid)
-    return fields is not None and fields[0] not in ("Z", "X")
+    fields_ = _stat(pid)
+    return fields_ is not None and fields_[0] not in ("Z", "X")
+
+
+def same_process(pid: int | None, started: str | None) -> bool:
+    """Whether the process ``pid`` that started at ``started`` still runs (a reused pid is another one)."""
+    return pid is not None and process_running(pid) and process_start_time(pid) == started
 
 
 def this_process() -> tuple[int, str]:
@@ -73,33 +239,26 @@ class Ledger:
     def __init__(self, root: Path):
         self.root = root
 
-    def _path(self, flow_run_id: str) -> Path:
-        return self.root / f"{flow_run_id}.json"
-
-    def record(self, holding: Holding) -> None:
-        """Write (or rewrite) a run's entry atomically."""
-        self.root.mkdir(parents=True, exist_ok=True)
-        path = self._path(holding.flow_run_id)
-        temporary = path.with_suffix(".tmp")
-        temporary.write_text(json.dumps(asdict(holding)))
-        temporary.replace(path)
+    def folder(self, flow_run_id: str) -> RunFolder:
+        """The run's folder (made when first written)."""
+        return RunFolder(self.root / flow_run_id)
 
     def forget(self, flow_run_id: str) -> None:
-        """The run was released: drop its entry."""
-        self._path(flow_run_id).unlink(missing_ok=True)
+        """The run was released: drop its folder."""
+        shutil.rmtree(self.root / flow_run_id, ignore_errors=True)
 
-    def entries(self) -> list[Holding]:
-        """Every entry on this host, readable or not skipped."""
+    def folders(self) -> list[RunFolder]:
+        """Every run folder on this host with a readable holding."""
         if not self.root.exists():
             return []
-        found = []
-        for path in sorted(self.root.glob("*.json")):
-            try:
-                found.append(Holding(**json.loads(path.read_text())))
-            except (OSError, ValueError, TypeError):
-                continue
-        return found
+        return [RunFolder(path) for path in sorted(self.root.iterdir())
+                if path.is_dir() and (path / "holding.json").exists()]
 
-    def orphans(self) -> list[Holding]:
-        """Entries whose worker process no longer runs."""
-        return [h for h in self.entries() if process_start_time(h.worker_pid) != h.worker_started]
+    def claim_orphans(self) -> list[tuple[RunFolder, int]]:
+        """The runs no live worker owns, each with its owner lock, now held by the caller who adopts them."""
+        claimed = []
+        for folder in self.folders():
+            fd = folder.own()
+            if fd is not None:
+                claimed.append((folder, fd))
+        return claimed

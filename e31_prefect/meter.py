@@ -8,7 +8,7 @@ upload are recorded but never billed. Pure: no clock, no client.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 
 STEPS = ("submitted", "picked", "staged", "rented", "running", "run_ended", "output", "released")
 STEP_MEANING = {
@@ -73,6 +73,20 @@ class Meter:
     def output_seconds(self) -> float:
         """Sending outputs back (not billed)."""
         return self.between("run_ended", "output")
+
+
+def work_end(ended: datetime, work_ended: datetime | None = None, stop_requested: datetime | None = None,
+             grace_seconds: float = 0.0) -> datetime:
+    """When the work truly ended, as its supervisor recorded it: where billing stops.
+
+    The job's own word that its work is done comes first (what follows is the engine reporting to
+    the Prefect API, which may be down); else the moment its last process was gone. A stop (the
+    time limit, a cancel) bills at most its grace, whatever the container engine did after it.
+    """
+    end = min(ended, work_ended) if work_ended is not None else ended
+    if stop_requested is not None:
+        end = min(end, stop_requested + timedelta(seconds=grace_seconds))
+    return end
 
 
 def tags(meter: Meter, outcome: str | None = None) -> list[str]:

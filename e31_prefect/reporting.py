@@ -12,29 +12,37 @@ import json
 import re
 import socket
 from collections.abc import Sequence
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from prefect.client.orchestration import PrefectClient
 from prefect.client.schemas.actions import ArtifactCreate
-from prefect.client.schemas.objects import FlowRun
+from prefect.client.schemas.objects import FlowRun, StateType
 from prefect.events import Event, RelatedResource, emit_event
-from prefect.states import Failed, State
+from prefect.states import Cancelled, Completed, Crashed, Failed, Scheduled, State
 
+from e31_prefect import endings
 from e31_prefect import meter as metering
+from e31_prefect.endings import Ending
 from e31_prefect.inventory import Device
 
-# Failed states the worker sets itself, by name, so automations and `e31 usage` can count them.
-DEADLINE_MISSED = "DeadlineMissed"
-TIMED_OUT = "TimedOut"
-INVALID_JOB = "InvalidJob"
-STAGING_FAILED = "StagingFailed"
-OUTPUT_MISSING = "OutputMissing"
-OUTPUT_NOT_SENT = "OutputNotSent"
-OUT_OF_MEMORY = "OutOfMemory"
-NO_CONTAINER_ENGINE = "NoContainerEngine"
-CONTAINER_DIED = "ContainerDied"
-OVER_QUOTA = "OverQuota"
-PROCESS_DIED = "ProcessDied"
+# State names of the endings others look for by name (`e31 outputs retry`, the tests).
+DEADLINE_MISSED = endings.DEADLINE_MISSED.name
+OUTPUT_NOT_SENT = endings.OUTPUT_NOT_SENT.name
+
+
+def state_of(ending: Ending) -> State:
+    """The Prefect state a run that ends this way gets."""
+    if ending.state is StateType.SCHEDULED:
+        at = datetime.now(timezone.utc) + timedelta(seconds=ending.retry_in_seconds)
+        return Scheduled(scheduled_time=at, message=ending.message)
+    if ending.state is StateType.CANCELLED:
+        return Cancelled(message=ending.message)
+    if ending.state is StateType.CRASHED:
+        return Crashed(message=ending.message)
+    if ending.state is StateType.COMPLETED:
+        return Completed(message=ending.message)
+    return Failed(name=ending.name, message=ending.message)
 
 
 def device_resources(devices: Sequence[Device], host: str | None = None) -> list[RelatedResource]:
@@ -81,6 +89,12 @@ class JobReport:
     async def fail(self, name: str, message: str) -> State:
         """End the flow run Failed under ``name`` (forced: the worker's verdict is final)."""
         state = Failed(name=name, message=message)
+        await self.client.set_flow_run_state(self.flow_run.id, state, force=True)
+        return state
+
+    async def end(self, ending: Ending) -> State:
+        """Give the flow run the state of ``ending`` (forced: the worker's verdict is final)."""
+        state = state_of(ending)
         await self.client.set_flow_run_state(self.flow_run.id, state, force=True)
         return state
 

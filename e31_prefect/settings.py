@@ -36,9 +36,19 @@ class E31Settings(BaseSettings):
         default=Path("~/.e31").expanduser(),
         description="Workspaces of running jobs and the spool of outputs not yet sent.",
     )
+    device_locks: Path = Field(
+        default=Path("/run/lock/e31"),
+        description="Host-wide folder of device lock files, shared by every e31 worker on the host whatever its "
+        "pool or E31_HOME, so a device is rented to one run at a time per host.",
+    )
     stop_grace_seconds: float = Field(
         default=10.0,
         description="At the time limit, how long a run has after SIGTERM before SIGKILL.",
+    )
+    report_grace_seconds: float = Field(
+        default=60.0,
+        description="After a job says its work is done, how long its engine may take to report to the Prefect "
+        "API before its supervisor stops it (the meter stopped when the work was done).",
     )
     watch_seconds: float = Field(
         default=2.0, description="How often a running run's state is read, to stop it when cancelled."

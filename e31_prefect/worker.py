@@ -3,21 +3,21 @@
     prefect work-pool create gpu --type e31
     E31_GPUS="2xH100" prefect worker start --pool gpu --type e31
 
-For each flow run of its pool the worker lives the job's life: refuse it if
-its deadline can no longer be met, stage its data (no GPU held yet), rent
-devices, run it with only those devices visible, give the devices back the
-moment it ends, send its outputs, and close the meter. A job with an image
-runs in a container (the worker extends prefect-docker's DockerWorker); one
-without runs as a local process.
+The worker polls its pool, refuses runs that can no longer meet their
+deadline, and takes the most urgent runs that fit its free devices; each one
+it takes lives its life (:mod:`e31_prefect.life`) under a supervisor that
+outlives the worker. On SIGTERM the worker takes no new run and exits at
+once; runs in progress stay with their supervisors, and the next e31 worker
+on the host adopts them. A job with an image runs in a container (the worker
+extends prefect-docker's DockerWorker); one without runs as a local process.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import sys
-from datetime import datetime, timedelta, timezone
+import signal
+from datetime import datetime, timezone
 from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Literal
@@ -28,62 +28,47 @@ import anyio.abc
 from prefect.client.schemas.objects import FlowRun
 from prefect.context import TagsContext
 from prefect.exceptions import ObjectNotFound
-from prefect.settings import PREFECT_API_URL
-from prefect.states import Cancelled, Crashed, Pending, Scheduled
+from prefect.states import Pending
 from prefect.workers.base import BaseVariables, BaseWorkerResult
 from prefect_docker.worker import DockerWorker, DockerWorkerJobConfiguration
-from pydantic import Field, PrivateAttr
+from pydantic import Field, PrivateAttr, create_model
 
-from e31_prefect import quotas, reporting, results, timing
-from e31_prefect import spool as spooling
-from e31_prefect.blocks import E31Storage, StorageBlockError, load_storage
-from e31_prefect.inventory import Device, Inventory, discover, pick_devices
-from e31_prefect.job import JOB_VARIABLE_KEYS, DataInput, Job, JobError, Output, Request, Work, anchor, job_name
-from e31_prefect.ledger import Holding, Ledger, this_process
+from e31_prefect import endings, reporting, timing
+from e31_prefect.blocks import E31Storage
+from e31_prefect.inventory import Inventory, discover
+from e31_prefect.job import JOB_VARIABLE_KEYS, Job, anchor, job_name
+from e31_prefect.ledger import Ledger, RunFolder
+from e31_prefect.life import JobLife, scheduled_start
 from e31_prefect.meter import Meter
-from e31_prefect.recovery import recover
-from e31_prefect.runtimes import RunOutcome, job_environment
 from e31_prefect.runtimes import container as containers
-from e31_prefect.runtimes.process import run_process
 from e31_prefect.scheduling import Busy, WaitingQueue, WaitingRun, decide
 from e31_prefect.settings import E31Settings
-from e31_prefect.staging import (
-    StagingError,
-    UploadError,
-    missing_outputs,
-    remove_workspace,
-    stage_inputs,
-    upload_outputs,
-)
 
 if TYPE_CHECKING:
     from prefect.client.schemas.objects import Flow as APIFlow
     from prefect.client.schemas.objects import WorkPool
     from prefect.client.schemas.responses import DeploymentResponse, WorkerFlowRunResponse
 
-# Environment a job never inherits from its worker: storage credentials and the worker's own settings.
-_WITHHELD_PREFIXES = ("AWS_", "AZURE_", "GOOGLE_APPLICATION_CREDENTIALS", "E31_")
+
+def _job_fields(raw: bool) -> dict[str, Any]:
+    """The job's own fields (team, work, data, request, output, ...), declared once, on the :class:`Job` model.
+
+    The pool's form shows them as the model declares them; the job configuration takes them as
+    raw values, checked by the model when a run is lived, so a bad one fails that run with the
+    job file's own message instead of failing the poll.
+    """
+    fields: dict[str, Any] = {}
+    for key in JOB_VARIABLE_KEYS:
+        info = Job.model_fields[key]
+        annotation = Any if raw else info.annotation | None
+        fields[key] = (annotation, Field(default=None, title=info.title, description=info.description,
+                                         examples=info.examples))
+    return fields
 
 
-class E31Variables(BaseVariables):
-    """The e31 work pool's form: the job's team, work, data, request and output."""
+class _PoolSettings(BaseVariables):
+    """The e31 work pool's form: the job's fields (see :func:`_job_fields`) and these settings of the pool's."""
 
-    team: str | None = Field(default=None, title="Team", description="Who pays: used by the meter.",
-                             examples=["vision"])
-    timezone: str | None = Field(default=None, title="Time zone",
-                                 description="IANA zone for HH:MM starts and deadlines.",
-                                 examples=["Europe/Paris"])
-    work: Work | None = Field(default=None, title="Work", description="Parameters, environment and image.")
-    data: list[DataInput] | None = Field(default=None, title="Data",
-                                         description="Inputs staged read-only before any GPU is rented.")
-    request: Request | None = Field(default=None, title="Request",
-                                    description="GPUs, time limit, earliest start, deadline, priority.")
-    output: Output | None = Field(default=None, title="Output",
-                                  description="Where the output dir is sent and what it must hold.")
-    storage: str | None = Field(default=None, title="Storage block",
-                                description="The E31 Storage block whose credentials read the data and send the "
-                                "outputs; empty: s3fs's default credential chain on the worker.",
-                                examples=["e31-store"])
     image_pull_policy: Literal["IfNotPresent", "Always", "IfPossible", "Never"] | None = Field(
         default=None, title="Image pull policy",
         description="For jobs with an image: when the worker pulls it (IfNotPresent for tagged images).",
@@ -99,16 +84,13 @@ class E31Variables(BaseVariables):
         examples=["auto"])
 
 
-class E31JobConfiguration(DockerWorkerJobConfiguration):
+E31Variables = create_model("E31Variables", __base__=_PoolSettings, __module__=__name__, **_job_fields(raw=False))
+E31Variables.__doc__ = "The e31 work pool's form: the job's team, work, data, request and output, and the pool's."
+
+
+class _Configuration(DockerWorkerJobConfiguration):
     """One flow run's job as the worker receives it: raw job variables, validated in :meth:`job`."""
 
-    team: str | None = Field(default=None)
-    timezone: str | None = Field(default=None)
-    work: dict[str, Any] | None = Field(default=None)
-    data: list[Any] | None = Field(default=None)
-    request: dict[str, Any] | None = Field(default=None)
-    output: dict[str, Any] | None = Field(default=None)
-    storage: str | None = Field(default=None)
     gpu_device_requests: containers.GpuRequests = Field(default="auto")
 
     _job_name: str = PrivateAttr(default="job")
@@ -134,7 +116,7 @@ class E31JobConfiguration(DockerWorkerJobConfiguration):
         self._job_name = deployment.name if deployment else flow_run.name
         self._job_folder = job_folder(deployment)
         self._code_folder = code_folder(deployment)
-        entrypoint = (self.work or {}).get("flow")
+        entrypoint = (getattr(self, "work", None) or {}).get("flow")
         if deployment is None and entrypoint:
             # A run with no deployment (an @e31 flow) names its source file: the flow is loaded
             # from there, and the file's folder is its code (mounted read-only in a container).
@@ -151,6 +133,10 @@ class E31JobConfiguration(DockerWorkerJobConfiguration):
         """
         job = Job.from_job_variables({k: getattr(self, k) for k in JOB_VARIABLE_KEYS}, name=name or self._job_name)
         return anchor(job, self._code_folder) if self._code_folder else job
+
+
+E31JobConfiguration = create_model("E31JobConfiguration", __base__=_Configuration, __module__=__name__,
+                                   **_job_fields(raw=True))
 
 
 def code_folder(deployment: DeploymentResponse | None) -> Path | None:
@@ -196,7 +182,7 @@ class E31Worker(DockerWorker):
                  only_flow_run_ids: set[UUID] | None = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.settings = settings or E31Settings()
-        self.inventory = Inventory(discover(self.settings.gpus))
+        self.inventory = Inventory(discover(self.settings.gpus), self.settings.device_locks)
         self.meters: dict[UUID, Meter] = {}  # the meters of runs in progress (and, for `e31 run`, its own)
         self.ledger = Ledger(self.settings.home.expanduser() / "ledger")
         self._living: set[UUID] = set()
@@ -206,26 +192,98 @@ class E31Worker(DockerWorker):
         self.queue = WaitingQueue()
         # `e31 run` drives a worker for its own run only; `prefect worker start` takes the whole pool.
         self._only_flow_run_ids = only_flow_run_ids
+        self._stopping = False
+
+    # -- starting and stopping --------------------------------------------------------------------
+
+    async def start(self, *args: Any, **kwargs: Any) -> None:
+        """``prefect worker start``: poll until told to stop. SIGTERM (or Ctrl-C) stops it at once.
+
+        Prefect's CLI turns SIGTERM into a SIGINT to the worker's own process, which its handler
+        answers with another SIGINT, so a stock worker never stops; the e31 worker handles both
+        itself: it takes no new run, leaves runs in progress to their supervisors, and exits.
+        """
+        loop = asyncio.get_running_loop()
+        main = asyncio.current_task()
+        signals = (signal.SIGTERM, signal.SIGINT)
+
+        def stop() -> None:
+            if not self._stopping:
+                self._logger.info("Stopping: no new runs; runs in progress stay with their supervisors")
+            self._stopping = True
+            if main is not None:
+                main.cancel()
+
+        installed = []
+        for sig in signals:
+            with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):  # not the main thread
+                loop.add_signal_handler(sig, stop)
+                installed.append(sig)
+        try:
+            await super().start(*args, **kwargs)
+        except asyncio.CancelledError:
+            if not self._stopping:
+                raise
+        finally:
+            for sig in installed:
+                loop.remove_signal_handler(sig)
 
     async def setup(self) -> None:
-        """Connect, register the E31 Storage block type (so the UI offers it), then clean up after
-        any e31 worker on this host that was killed."""
+        """Connect, register the E31 Storage block type (so the UI offers it), then adopt the runs any
+        e31 worker on this host left when it died or stopped."""
         await super().setup()
         try:
             await E31Storage.aregister_type_and_schema(client=self.client)
         except Exception as exc:  # the worker runs jobs without it; only the UI's block catalog misses it
             self._logger.warning("Could not register the E31 Storage block type: %s", exc)
-        recovered = await recover(self.client, self.ledger, self.settings.spool)
-        if recovered:
-            self._logger.warning("Recovered %d run(s) left by a dead worker: %s", len(recovered),
-                                 ", ".join(map(str, recovered)))
+        self.adopt_orphans()
+
+    async def _sync_and_initialize(self) -> None:
+        await super()._sync_and_initialize()
+        self.adopt_orphans()  # a worker sharing this host's ledger may have died since
+
+    def adopt_orphans(self) -> list[str]:
+        """Adopt every run in this host's ledger that no live worker owns; returns their ids."""
+        if self._runs_task_group is None or self._stopping:
+            return []
+        adopted = []
+        for folder, owner in self.ledger.claim_orphans():
+            self._living.add(UUID(folder.run_id))
+            self._runs_task_group.start_soon(self._adopt, folder, owner)
+            adopted.append(folder.run_id)
+        if adopted:
+            self._logger.warning("Adopting %d run(s) left by a worker that is gone: %s", len(adopted),
+                                 ", ".join(adopted))
+        return adopted
+
+    async def _adopt(self, folder: RunFolder, owner: int) -> None:
+        run_id = UUID(folder.run_id)
+        try:
+            await JobLife.adopt(self, folder, owner)
+        except Exception:
+            self._logger.exception("Adopting run %s failed; its ledger folder stays for the next try", run_id)
+        finally:
+            self._living.discard(run_id)
 
     # -- choosing runs ----------------------------------------------------------------------------
 
     async def get_and_submit_flow_runs(self) -> list[FlowRun]:
-        """Poll the pool; refuse missed deadlines; take the most urgent runs that fit free devices."""
+        """Poll the pool; refuse missed deadlines; take the most urgent runs that fit free devices.
+
+        Nothing one run carries stops the poll: a run that cannot be read is taken to fail with
+        its reason, and any other fault is logged and the next poll tries again.
+        """
+        if self._stopping:
+            return []
         if not self._has_successfully_synced:
             return await super().get_and_submit_flow_runs()
+        try:
+            return await self._poll()
+        except Exception:
+            self._logger.exception("This poll failed; the next one tries again")
+            return []
+
+    async def _poll(self) -> list[FlowRun]:
         responses = await self._get_scheduled_flow_runs()
         self._last_polled_time = datetime.now(timezone.utc)
         responses = [r for r in responses if r.flow_run.id not in self._submitting_flow_run_ids
@@ -261,7 +319,14 @@ class E31Worker(DockerWorker):
                     deployments[flow_run.deployment_id] = None
             deployment = deployments.get(flow_run.deployment_id) if flow_run.deployment_id else None
             name = deployment.name if deployment else flow_run.name
-            run, team = await self._waiting_run(flow_run, deployment, name)
+            try:
+                run, team = await self._waiting_run(flow_run, deployment, name)
+            except Exception as exc:
+                # Whatever this run carries (a job variable of the wrong shape, a date out of any
+                # range), it is taken at once, on no device, so that its life fails it with the reason.
+                self._logger.warning("Flow run %s cannot be read as a job (%s: %s); it is taken to fail",
+                                     flow_run.id, type(exc).__name__, exc)
+                run, team = WaitingRun(flow_run.id, 0, None, scheduled_start(flow_run)), None
             waiting[flow_run.id] = (run, name, team)
         return waiting
 
@@ -269,14 +334,9 @@ class E31Worker(DockerWorker):
                            name: str) -> tuple[WaitingRun, str | None]:
         scheduled = scheduled_start(flow_run)
         values = {**(deployment.job_variables if deployment else {}), **(flow_run.job_variables or {})}
-        try:
-            configuration = await self.job_configuration.from_template_and_values(
-                self.work_pool.base_job_template, values, client=self.client)
-            job = configuration.job(name)
-        except ValueError:
-            # An invalid job (JobError, or job variables of the wrong shape) is taken at once,
-            # on no device, so that its run fails with the reason.
-            return WaitingRun(flow_run.id, 0, None, scheduled), None
+        configuration = await self.job_configuration.from_template_and_values(
+            self.work_pool.base_job_template, values, client=self.client)
+        job = configuration.job(name)
         deadline = timing.resolve_deadline(job.request.deadline, scheduled, job.tz)
         return WaitingRun(
             id=flow_run.id,
@@ -294,11 +354,11 @@ class E31Worker(DockerWorker):
         message = (f"Deadline missed: the run had to start by {latest.isoformat() if latest else '?'} "
                    f"to finish in time; it is now {now.isoformat(timespec='seconds')}. No GPU was rented.")
         report.step("deadline-missed", latest_start=str(latest), now=now.isoformat())
-        await report.fail(reporting.DEADLINE_MISSED, message)
+        await report.end(endings.DEADLINE_MISSED.saying(message))
         meter = Meter(team=team)
         meter.mark("submitted", scheduled_start(flow_run))
         meter.mark("released", now)
-        await report.close(meter, job_name, "deadline-missed", None)
+        await report.close(meter, job_name, endings.DEADLINE_MISSED.event, None)
         self.get_flow_run_logger(flow_run).warning(message)
 
     @property
@@ -345,346 +405,15 @@ class E31Worker(DockerWorker):
     async def run(
         self,
         flow_run: FlowRun,
-        configuration: E31JobConfiguration,
-        task_status: anyio.abc.TaskStatus[int] | None = None,
+        configuration: Any,
+        task_status: anyio.abc.TaskStatus[Any] | None = None,
     ) -> E31WorkerResult:
-        """Live one job: refuse, stage, rent, run, output, release; the meter closes whatever happens."""
+        """Live one job: admit, stage, rent, run, judge, send, release; the meter closes whatever happens."""
         life = JobLife(self, flow_run, configuration, task_status or anyio.TASK_STATUS_IGNORED)
         self._living.add(flow_run.id)
         try:
-            exit_code = await life.live()
+            ending = await life.live()
         finally:
             self._living.discard(flow_run.id)
-        return E31WorkerResult(status_code=exit_code, identifier=str(life.pid or 0))
-
-
-def scheduled_start(flow_run: FlowRun) -> datetime:
-    """When Prefect scheduled the run to start (its creation time if it has none)."""
-    moment = flow_run.expected_start_time or flow_run.next_scheduled_start_time or flow_run.created
-    return timing.utc(moment) if moment else datetime.now(timezone.utc)
-
-
-class JobLife:
-    """The life of one job on this host, from taking the run to closing its meter."""
-
-    def __init__(self, worker: E31Worker, flow_run: FlowRun, configuration: E31JobConfiguration,
-                 task_status: anyio.abc.TaskStatus[Any]):
-        self.worker = worker
-        self.flow_run = flow_run
-        self.configuration = configuration
-        self.task_status = task_status
-        self.log = worker.get_flow_run_logger(flow_run)
-        self.report = reporting.JobReport(
-            worker.client, flow_run, worker._event_related_resources(configuration=configuration))
-        self.meter = worker.meters.setdefault(flow_run.id, Meter())
-        self.workspace = worker.settings.workspaces / str(flow_run.id)
-        self.pid: int | str | None = None
-        self.devices: list[Device] = []
-        self.outcome: str | None = None
-        self.outputs: str | None = None
-        self.job_name = configuration._job_name
-        self.holding: Holding | None = None
-        self.lease: UUID | None = None
-        self.storage: E31Storage | None = None  # the job's storage block, loaded before staging
-        self.options: dict[str, Any] | None = None  # its fsspec options (None: the default credential chain)
-        self.handed_back = False
-        self._started = False
-
-    def now(self) -> datetime:
-        return datetime.now(timezone.utc)
-
-    def _signal_started(self, value: int | str | Exception) -> None:
-        # Prefect's worker waits for this signal once: the infrastructure id, or an exception
-        # saying no infrastructure started.
-        if not self._started:
-            self._started = True
-            self.task_status.started(value)
-
-    async def live(self) -> int:
-        self.meter.mark("submitted", scheduled_start(self.flow_run))
-        self.meter.mark("picked", self.now())
-        exit_code = 1
-        try:
-            exit_code = await self._live()
-        except Exception as exc:
-            self.log.exception("The e31 worker failed while running this job")
-            await self.worker.client.set_flow_run_state(
-                self.flow_run.id, Crashed(message=f"The e31 worker failed: {type(exc).__name__}: {exc}"), force=True)
-            self._signal_started(exc)
-        finally:
-            # Whatever happened, and even while the worker is being stopped, nothing stays held.
-            self.worker.return_devices(self.flow_run.id)
-            await self._release_lease()
-            with anyio.CancelScope(shield=True):
-                await self._release()
-        return exit_code
-
-    async def _live(self) -> int:
-        try:
-            job = self.configuration.job()
-        except JobError as exc:
-            await self._refuse(reporting.INVALID_JOB, "The job is not valid:\n" + str(exc))
-            return 1
-        self.job_name = job.name
-        self.meter.gpus, self.meter.team = job.request.gpus, job.team
-
-        scheduled = scheduled_start(self.flow_run)
-        deadline = timing.resolve_deadline(job.request.deadline, scheduled, job.tz)
-        latest = timing.latest_start(deadline, job.request.admission_duration)
-        if latest is not None and self.now() > latest:
-            self.outcome = "deadline-missed"
-            self.report.step("deadline-missed", latest_start=latest.isoformat())
-            await self._refuse(reporting.DEADLINE_MISSED,
-                               f"Deadline missed: the run had to start by {latest.isoformat()} to finish "
-                               f"by {deadline.isoformat() if deadline else '?'}; it is now "
-                               f"{self.now().isoformat(timespec='seconds')}. No GPU was rented.")
-            return 1
-
-        if job.work.image:
-            try:
-                send_gpus = await anyio.to_thread.run_sync(self._engine_takes_device_requests)
-            except RuntimeError as exc:
-                await self._refuse(reporting.NO_CONTAINER_ENGINE,
-                                   f"The job runs in image {job.work.image!r} but this host's Docker engine "
-                                   f"does not answer ({exc}); run it where Docker runs, or remove work.image "
-                                   "to run it as a local process. No GPU was rented.")
-                return 1
-
-        data_dir, output_dir = self.workspace / "data", self.workspace / "output"
-        output_dir.mkdir(parents=True, exist_ok=True)
-        try:
-            self.storage = await load_storage(job.storage) if job.storage else None
-            self.options = self.storage.fsspec_options() if self.storage else None
-            staged = await anyio.to_thread.run_sync(stage_inputs, job.data, data_dir, self.options, self.log)
-        except (StagingError, StorageBlockError) as exc:
-            await self._refuse(reporting.STAGING_FAILED, f"Staging failed before any GPU was rented: {exc}")
-            return 1
-        self.meter.mark("staged", self.now())
-        self.report.step("staged", files=staged.files, bytes=staged.bytes, seconds=round(staged.seconds, 3))
-
-        devices = self._rent(job)
-        if devices is None:
-            await self._hand_back(f"No {job.request.gpus} free GPU(s) on worker {self.worker.name!r}; rescheduled.")
-            return 0
-        try:
-            self.lease = await quotas.acquire(self.worker.client, quotas.limit_names(self.worker._work_pool_name,
-                                                                                       job.team),
-                                              len(devices), self.flow_run.id)
-        except quotas.QuotaFull as exc:
-            self.worker.return_devices(self.flow_run.id)
-            await self._hand_back(f"Quota full: {exc}; rescheduled.", delay=timedelta(seconds=15))
-            return 0
-        except quotas.OverQuota as exc:
-            self.worker.return_devices(self.flow_run.id)
-            await self._refuse(reporting.OVER_QUOTA, f"Over quota: {exc}; raise it with `e31 quota set` "
-                               "or ask for fewer GPUs. No GPU was rented.")
-            return 1
-        self.devices = devices
-        self.meter.devices = [d.index for d in devices]
-        self.meter.mark("rented", self.now())
-        self.report.step("rented", devices, gpus=len(devices), devices=[d.index for d in devices])
-
-        limit = timing.stop_at(self.now(), job.request.time_limit, deadline)
-        if limit is not None:
-            self.worker.holds_until[self.flow_run.id] = limit
-        worker_pid, worker_started = this_process()
-        self.holding = Holding(
-            flow_run_id=str(self.flow_run.id), worker_pid=worker_pid, worker_started=worker_started,
-            job_name=job.name, devices=[d.index for d in devices], workspace=str(self.workspace),
-            destination=self._destination(job), runtime="docker" if job.work.image else "process",
-            gpus=len(devices), team=job.team, lease=str(self.lease) if self.lease else None, storage=job.storage)
-        self._record()
-        seconds = None if limit is None else max(0.0, (limit - self.now()).total_seconds())
-        stop = asyncio.Event()
-        watcher = asyncio.ensure_future(self._watch_for_cancel(stop))
-        try:
-            if job.work.image:
-                configuration = containers.prepare(self.configuration, job, devices, data_dir, output_dir,
-                                                   self.configuration._job_folder, send_gpus)
-                outcome = await containers.run_container(
-                    self.worker, configuration, time_limit=seconds, stop=stop,
-                    grace_seconds=self.worker.settings.stop_grace_seconds, on_started=self._on_started)
-            else:
-                outcome = await run_process(
-                    [sys.executable, "-m", "prefect.engine"],
-                    env=self._environment(job, devices, data_dir, output_dir), cwd=self.workspace,
-                    time_limit=seconds, stop=stop,
-                    grace_seconds=self.worker.settings.stop_grace_seconds, on_started=self._on_started)
-        finally:
-            watcher.cancel()
-            self.meter.mark("run_ended", self.now())
-            self.worker.return_devices(self.flow_run.id)
-            await self._release_lease()
-        self.log.info("Run ended (exit code %s); devices %s back in the pool",
-                      outcome.exit_code, [d.index for d in devices] or "none")
-        await self._judge(job, outcome, limit)
-        await self._send_outputs(job, output_dir)
-        return outcome.exit_code
-
-    def _engine_takes_device_requests(self) -> bool:
-        """Reach the Docker engine (RuntimeError if none answers); say whether to send GPU device requests."""
-        client = self.worker._get_client()
-        try:
-            client.ping()
-            choice = self.configuration.gpu_device_requests
-            return choice == "on" or (choice == "auto" and containers.engine_runs_gpus(client))
-        finally:
-            client.close()
-
-    async def _release_lease(self) -> None:
-        if self.lease is not None:
-            lease, self.lease = self.lease, None
-            with anyio.CancelScope(shield=True):
-                await quotas.release(self.worker.client, lease)
-
-    def _record(self) -> None:
-        """Write this run's ledger entry with the meter so far and a fresh heartbeat."""
-        if self.holding is None:
-            return
-        self.holding.marks = {step: at.isoformat() for step, at in self.meter.marks.items()}
-        self.holding.heartbeat = self.now().isoformat()
-        self.worker.ledger.record(self.holding)
-
-    async def _watch_for_cancel(self, stop: asyncio.Event) -> None:
-        # Prefect marks a run Cancelling; whoever runs its infrastructure must stop it.
-        # The same beat keeps the ledger's heartbeat fresh, for recovery should this worker die.
-        renewed = self.now()
-        while not stop.is_set():
-            await asyncio.sleep(self.worker.settings.watch_seconds)
-            self._record()
-            if self.lease is not None and (self.now() - renewed).total_seconds() > quotas.LEASE_SECONDS / 3:
-                with contextlib.suppress(Exception):
-                    await quotas.renew(self.worker.client, self.lease)
-                    renewed = self.now()
-            with contextlib.suppress(Exception):
-                state = (await self.worker.client.read_flow_run(self.flow_run.id)).state
-                if state is not None and state.is_cancelling():
-                    self.log.info("Cancellation requested: stopping the run")
-                    stop.set()
-
-    async def _judge(self, job: Job, outcome: RunOutcome, limit: datetime | None) -> None:
-        """Give the run the final state its ending deserves, where the flow itself could not."""
-        client = self.worker.client
-        if outcome.timed_out:
-            self.outcome = "timed-out"
-            self.report.step("timed-out", self.devices, limit=str(limit))
-            await self.report.fail(reporting.TIMED_OUT,
-                                   f"Timed out: stopped at its time limit {limit.isoformat() if limit else ''} "
-                                   f"after {self.meter.run_seconds:.0f} s; outputs written so far were kept.")
-            return
-        if outcome.stopped:
-            self.outcome = "cancelled"
-            self.report.step("cancelled", self.devices)
-            await client.set_flow_run_state(self.flow_run.id, Cancelled(
-                message="Cancelled while running: stopped, devices released, outputs so far kept."), force=True)
-            return
-        if outcome.out_of_memory:
-            self.outcome = "out-of-memory"
-            await self.report.fail(reporting.OUT_OF_MEMORY,
-                                   f"Out of memory: the container was killed at its memory limit "
-                                   f"(request.memory = {job.request.memory}); outputs written so far were kept.")
-            return
-        state = (await client.read_flow_run(self.flow_run.id)).state
-        if state is None or not state.is_final():
-            runtime = "container" if job.work.image else "process"
-            self.outcome = "died"
-            await self.report.fail(reporting.CONTAINER_DIED if job.work.image else reporting.PROCESS_DIED,
-                                   f"The run's {runtime} died with exit code {outcome.exit_code} before the flow "
-                                   "reported a final state; outputs written so far were kept.")
-
-    def _rent(self, job: Job) -> list[Device] | None:
-        inventory = self.worker.inventory
-        held = inventory.held_by(self.flow_run.id)
-        if len(held) == job.request.gpus:
-            return held
-        wanted = pick_devices(inventory.free(), job.request.gpus, job.request.gpu_type)
-        if wanted is not None and inventory.hold(self.flow_run.id, wanted):
-            return wanted
-        return None
-
-    async def _hand_back(self, message: str, delay: timedelta = timedelta(0)) -> None:
-        # It cannot be rented now: put it back for this or another worker.
-        self.log.warning(message)
-        self.handed_back = True
-        await self.worker.client.set_flow_run_state(
-            self.flow_run.id, Scheduled(scheduled_time=self.now() + delay, message=message), force=True)
-        self._signal_started(RuntimeError(message))
-
-    def _on_started(self, pid: int | str) -> None:
-        self.pid = pid
-        self.meter.mark("running", self.now())
-        if self.holding is not None:
-            self.holding.infrastructure = str(pid)
-            self._record()
-        self.report.step("running", self.devices, infrastructure=str(pid))
-        self._signal_started(pid)
-
-    def _environment(self, job: Job, devices: list[Device], data_dir: Path, output_dir: Path) -> dict[str, str]:
-        inherited = {k: v for k, v in os.environ.items() if not k.startswith(_WITHHELD_PREFIXES)}
-        prefect_env = {k: v for k, v in self.configuration.env.items() if v is not None}
-        # prefect-docker rewrites a loopback API URL for containers; a local process uses the worker's own.
-        prefect_env["PREFECT_API_URL"] = PREFECT_API_URL.value() or prefect_env.get("PREFECT_API_URL", "")
-        return {**inherited, **prefect_env, **job_environment(job, devices, data_dir, output_dir)}
-
-    async def _send_outputs(self, job: Job, output_dir: Path) -> None:
-        destination = self._destination(job)
-        try:
-            sent = await anyio.to_thread.run_sync(upload_outputs, output_dir, destination, self.options, 3, 1.0,
-                                                  self.log)
-        except UploadError as exc:
-            # Kept with a manifest (destination, storage block name, how the flow ended) for `e31 outputs retry`.
-            state = (await self.worker.client.read_flow_run(self.flow_run.id)).state
-            kept = await anyio.to_thread.run_sync(
-                spooling.keep, output_dir, self.worker.settings.spool, str(self.flow_run.id), destination,
-                job.storage, job.name, state.name if state else None, str(exc))
-            self.outputs = kept.outputs_url
-            await self.report.fail(reporting.OUTPUT_NOT_SENT, kept.message())
-            await spooling.record_kept(self.worker.client, self.flow_run.id, kept)
-            return
-        self.outputs = destination
-        self.meter.mark("output", self.now())
-        self.report.step("output", files=sent.files, bytes=sent.bytes, destination=destination)
-        missing = missing_outputs(output_dir, job.output.expect)
-        state = (await self.worker.client.read_flow_run(self.flow_run.id)).state
-        if missing and state is not None and state.is_completed():
-            await self.report.fail(reporting.OUTPUT_MISSING,
-                                   "Expected output missing: " + ", ".join(missing)
-                                   + f" (the run wrote {sent.files} file(s) to {destination}).")
-            return
-        await results.point_result_at_outputs(self.worker.client, self.flow_run.id, output_dir, destination,
-                                              self.storage, self.log)
-
-    def _destination(self, job: Job) -> str:
-        template = job.output.to or f"file://{self.worker.settings.home / 'outputs'}/{{flow_run.id}}/"
-        return template.format(
-            flow_run=SimpleNamespace(id=str(self.flow_run.id), name=self.flow_run.name),
-            date=scheduled_start(self.flow_run).date().isoformat(),
-            job=job.name,
-        )
-
-    async def _refuse(self, name: str, message: str) -> None:
-        self.log.error(message)
-        await self.report.fail(name, message)
-        self._signal_started(RuntimeError(message))
-
-    async def _release(self) -> None:
-        self._signal_started(RuntimeError("The run ended before it started."))
-        if self.handed_back:
-            self.worker.meters.pop(self.flow_run.id, None)
-            return
-        self.meter.mark("released", self.now())
-        if "rented" in self.meter.marks:
-            # A run cut short by the worker itself stops billing here, never later.
-            self.meter.mark("run_ended", self.meter.marks["released"])
-        if self.worker._only_flow_run_ids is None:
-            # A long-lived worker keeps no meter in memory once it is recorded in Prefect.
-            self.worker.meters.pop(self.flow_run.id, None)
-        try:
-            await self.report.close(self.meter, self.job_name, self.outcome, self.outputs)
-        except Exception:
-            self.log.exception("Recording the meter of this run failed")
-        self.report.step("released", self.devices, billed_seconds=round(self.meter.billed_seconds, 3),
-                         billed_gpu_seconds=round(self.meter.billed_gpu_seconds, 3), gpus=self.meter.gpus)
-        self.worker.ledger.forget(str(self.flow_run.id))
-        if not self.worker.settings.keep_workspaces:
-            remove_workspace(self.workspace)
+        failed = ending is not None and ending.is_(endings.WORKER_FAILED)
+        return E31WorkerResult(status_code=1 if failed else 0, identifier=str(life.infrastructure or 0))

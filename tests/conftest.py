@@ -22,6 +22,8 @@ def _free_port() -> int:
 _HOME = Path(tempfile.mkdtemp(prefix="e31-tests-"))
 os.environ["PREFECT_HOME"] = str(_HOME / "prefect")
 os.environ["E31_HOME"] = str(_HOME / "e31")
+# The tests' workers share this host's device locks, apart from any real e31 worker on it.
+os.environ["E31_DEVICE_LOCKS"] = str(_HOME / "device-locks")
 os.environ["PREFECT_API_URL"] = f"http://127.0.0.1:{_free_port()}/api"
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ["PREFECT_LOGGING_LEVEL"] = "INFO"

@@ -1,28 +1,90 @@
 """Where a flow run's work executes: a local process, or a container on the host's Docker engine.
 
-Both runtimes stop the work at its time limit or when asked (cancellation), and say how it ended.
+A :class:`Runtime` is chosen once per run (:func:`runtime_for`): a job with
+``work.image`` runs in a container, one without runs as a local process. Either
+way the run's supervisor owns the work; the runtime says what it runs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import PurePath
+from datetime import datetime
+from pathlib import Path, PurePath
+from typing import TYPE_CHECKING, Any, Protocol
 
 from e31_prefect.dirs import DATA_DIR_VARIABLE, OUTPUT_DIR_VARIABLE
+from e31_prefect.endings import Ending
 from e31_prefect.inventory import Device, visible_devices_env
 from e31_prefect.job import Job
+from e31_prefect.ledger import RunFolder, Spec
 from e31_prefect.results import result_environment
+
+if TYPE_CHECKING:
+    from e31_prefect.settings import E31Settings
+    from e31_prefect.supervision import Supervisor
+
+WORK_ENDED_VARIABLE = "E31_WORK_ENDED"  # the pipe the job's entry writes to when its work is done
+DEFAULT_PIDS_LIMIT = 4096
 
 
 @dataclass(frozen=True)
-class RunOutcome:
-    """How a run's work ended: its exit code, and whether the worker stopped it and why."""
+class Placement:
+    """One run's work as placed on this host: its job, devices, workspace, ledger folder and time limit."""
 
-    exit_code: int
-    timed_out: bool = False
-    stopped: bool = False
-    out_of_memory: bool = False
+    run_id: str
+    job: Job
+    devices: list[Device]
+    workspace: Path
+    folder: RunFolder
+    stop_at: datetime | None
+    configuration: Any  # the run's E31JobConfiguration: Prefect's environment and labels, the job's folder
+    settings: E31Settings
+
+    @property
+    def data_dir(self) -> Path:
+        """The staged inputs."""
+        return self.workspace / "data"
+
+    @property
+    def output_dir(self) -> Path:
+        """What the work writes and the worker sends."""
+        return self.workspace / "output"
+
+    def spec(self, runtime: str, **fields: Any) -> Spec:
+        """The supervisor's spec for this run: its bounds, and what ``fields`` add."""
+        return Spec(run_id=self.run_id, runtime=runtime,
+                    stop_at=self.stop_at.isoformat() if self.stop_at else None,
+                    grace_seconds=self.settings.stop_grace_seconds,
+                    report_grace_seconds=self.settings.report_grace_seconds,
+                    memory_bytes=self.job.request.memory_bytes, pids_limit=DEFAULT_PIDS_LIMIT, **fields)
+
+
+class Runtime(Protocol):
+    """What a runtime does for a run; the supervisor does the rest."""
+
+    name: str  # "process" or "container", as the ledger records it
+    died: Ending  # how a run whose work died before reporting its state ends
+
+    async def check(self) -> str | None:
+        """Before renting: a reason this host cannot run the job (None: it can)."""
+
+    def spec(self, placement: Placement) -> Spec:
+        """What the supervisor runs."""
+
+    async def start(self, placement: Placement, supervisor: Supervisor) -> None:
+        """Once the supervisor runs: anything the work needs started for it (a container)."""
+
+
+def runtime_for(job: Job, worker: Any, configuration: Any) -> Runtime:
+    """The run's runtime, chosen once: a container for a job with an image, else a local process."""
+    if job.work.image:
+        from e31_prefect.runtimes.container import ContainerRuntime
+
+        return ContainerRuntime(worker, configuration)
+    from e31_prefect.runtimes.process import ProcessRuntime
+
+    return ProcessRuntime()
 
 
 def job_environment(job: Job, devices: Sequence[Device], data_dir: PurePath | str,

@@ -1,40 +1,39 @@
-"""The docker runtime: a flow run in its own container, created, watched and stopped by prefect-docker.
+"""The docker runtime: a flow run in its own container, created by prefect-docker, owned by its supervisor.
 
 prefect-docker's worker (which the e31 worker extends) pulls the image, logs in
-to registries, names and creates the container and emits its events. This
-module adds what an E31 job needs: exactly its rented GPUs, its data read-only
-at /e31/data, its output dir at /e31/output, no storage credentials, no
-privileges, limits from the request, and a stop at its time limit.
+to registries, names, creates and starts the container and emits its events.
+This module adds what an E31 job needs: exactly its rented GPUs, its data
+read-only at /e31/data, its output dir at /e31/output, no storage credentials,
+no privileges, limits from the request. The run's supervisor watches the
+container, stops it at its time limit and removes it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-import docker.errors
 import docker.types
 
 import docker
+from e31_prefect import endings, job_entry
 from e31_prefect.inventory import Device
 from e31_prefect.job import Job
-from e31_prefect.runtimes import RunOutcome, job_environment
+from e31_prefect.ledger import Spec
+from e31_prefect.runtimes import DEFAULT_PIDS_LIMIT, WORK_ENDED_VARIABLE, Placement, job_environment
 
 if TYPE_CHECKING:
     from prefect_docker.worker import DockerWorker, DockerWorkerJobConfiguration
 
+    from e31_prefect.supervision import Supervisor
+
 DATA_MOUNT = "/e31/data"
 OUTPUT_MOUNT = "/e31/output"
-DEFAULT_PIDS_LIMIT = 4096
+ENTRY_MOUNT = "/e31/bin/job_entry.py"  # e31's job entry, mounted: any image with Prefect can run it
+WORK_ENDED_MOUNT = "/e31/control/work-ended"
 GpuRequests = Literal["auto", "on", "off"]
-
-
-class NoContainerEngine(RuntimeError):
-    """The job names an image but this host has no Docker engine that answers."""
-
 
 def engine_runs_gpus(client: docker.DockerClient) -> bool:
     """Whether the engine has a GPU-capable runtime (the NVIDIA container runtime) to honour device requests."""
@@ -53,6 +52,7 @@ def container_environment(base: dict[str, str | None], job: Job, devices: Sequen
     return {
         **{k: v for k, v in base.items() if v is not None},
         **job_environment(job, devices, DATA_MOUNT, OUTPUT_MOUNT),
+        WORK_ENDED_VARIABLE: WORK_ENDED_MOUNT,
     }
 
 
@@ -72,11 +72,15 @@ def isolation(job: Job, devices: Sequence[Device], send_device_requests: bool,
     return options
 
 
-def mounts(data_dir: Path, output_dir: Path, job_folder: Path | None) -> list[str]:
-    """Data read-only, output writable, and the job file's folder read-only at its own path (for its flow code)."""
+def mounts(data_dir: Path, output_dir: Path, job_folder: Path | None, work_ended: Path | None = None) -> list[str]:
+    """Data read-only, output writable, the job file's folder read-only at its own path (for its flow
+    code), e31's job entry read-only, and the pipe the job says its work ended on."""
     volumes = [f"{data_dir}:{DATA_MOUNT}:ro", f"{output_dir}:{OUTPUT_MOUNT}:rw"]
     if job_folder is not None:
         volumes.append(f"{job_folder}:{job_folder}:ro")
+    volumes.append(f"{job_entry.__file__}:{ENTRY_MOUNT}:ro")
+    if work_ended is not None:
+        volumes.append(f"{work_ended}:{WORK_ENDED_MOUNT}:rw")
     return volumes
 
 
@@ -88,16 +92,17 @@ def prepare(
     output_dir: Path,
     job_folder: Path | None,
     send_device_requests: bool,
+    work_ended: Path | None = None,
 ) -> DockerWorkerJobConfiguration:
     """A copy of the run's configuration that creates the E31 container for it."""
     prepared = configuration.model_copy(deep=True)
     assert job.work.image
     prepared.image = job.work.image
-    prepared.command = "python -m prefect.engine"
+    prepared.command = f"python {ENTRY_MOUNT}"
     prepared.env = container_environment(configuration.env, job, devices)
-    prepared.volumes = mounts(data_dir, output_dir, job_folder)
+    prepared.volumes = mounts(data_dir, output_dir, job_folder, work_ended)
     prepared.privileged = False
-    prepared.auto_remove = False  # the worker reads the exit state (OOM) before removing it
+    prepared.auto_remove = False  # the supervisor reads the exit state (OOM) before removing it
     memory = job.request.memory_bytes
     prepared.mem_limit = str(memory) if memory else None
     prepared.memswap_limit = str(memory) if memory else None  # no swap beyond the limit
@@ -109,55 +114,45 @@ def prepare(
     return prepared
 
 
-async def run_container(
-    worker: DockerWorker,
-    configuration: DockerWorkerJobConfiguration,
-    *,
-    time_limit: float | None,
-    grace_seconds: float,
-    stop: asyncio.Event,
-    on_started: Callable[[str], None],
-) -> RunOutcome:
-    """Create and start the container, watch it to its end, stop it at the limit or when asked, remove it."""
-    container, created_event = await asyncio.to_thread(worker._create_and_start_container, configuration)
-    on_started(container.id)
-    watch = asyncio.ensure_future(
-        asyncio.to_thread(worker._watch_container_safe, container, configuration, created_event))
-    stopped = asyncio.ensure_future(stop.wait())
-    try:
-        await asyncio.wait({watch, stopped}, timeout=time_limit, return_when=asyncio.FIRST_COMPLETED)
-        timed_out = not watch.done() and not stopped.done()
-        if not watch.done():
-            await asyncio.to_thread(_stop, worker, container.id, grace_seconds)
-        await watch
-        state = await asyncio.to_thread(_final_state, container)
-    except BaseException:
-        await asyncio.shield(asyncio.to_thread(_stop, worker, container.id, grace_seconds))
-        raise
-    finally:
-        stopped.cancel()
-        await asyncio.shield(asyncio.to_thread(_remove, container))
-    return RunOutcome(
-        exit_code=int(state.get("ExitCode", -1)),
-        timed_out=timed_out,
-        stopped=stop.is_set() and not timed_out,
-        out_of_memory=bool(state.get("OOMKilled")),
-    )
+class ContainerRuntime:
+    """A run as a container on this host's Docker engine, created through prefect-docker."""
 
+    name = "container"
+    died = endings.CONTAINER_DIED
 
-def _stop(worker: DockerWorker, container_id: str, grace_seconds: float) -> None:
-    from prefect.exceptions import InfrastructureNotFound
+    def __init__(self, worker: DockerWorker, configuration: Any):
+        self.worker = worker
+        self.configuration = configuration
+        self.send_gpus = False
 
-    with contextlib.suppress(InfrastructureNotFound):
-        worker._stop_container(container_id, max(1, round(grace_seconds)))
+    async def check(self) -> str | None:
+        try:
+            self.send_gpus = await asyncio.to_thread(self._engine_takes_device_requests)
+        except Exception as exc:
+            return f"this host's Docker engine does not answer ({exc})"
+        return None
 
+    def _engine_takes_device_requests(self) -> bool:
+        """Reach the Docker engine (raises if none answers); say whether to send GPU device requests."""
+        client = self.worker._get_client()
+        try:
+            client.ping()
+            choice = self.configuration.gpu_device_requests
+            return choice == "on" or (choice == "auto" and engine_runs_gpus(client))
+        finally:
+            client.close()
 
-def _final_state(container) -> dict[str, Any]:
-    with contextlib.suppress(docker.errors.NotFound):
-        container.reload()
-    return container.attrs.get("State") or {}
+    def spec(self, placement: Placement) -> Spec:
+        label = f"prefect.io/flow-run-id={placement.run_id}"  # prefect-docker labels the run's container so
+        return placement.spec(self.name, container_label=label)
 
-
-def _remove(container) -> None:
-    with contextlib.suppress(docker.errors.NotFound, docker.errors.APIError):
-        container.remove(force=True)
+    async def start(self, placement: Placement, supervisor: Supervisor) -> None:
+        prepared = prepare(placement.configuration, placement.job, placement.devices, placement.data_dir,
+                           placement.output_dir, placement.configuration._job_folder, self.send_gpus,
+                           placement.folder.work_ended_pipe)
+        try:
+            container, _ = await asyncio.to_thread(self.worker._create_and_start_container, prepared)
+        except BaseException:
+            await supervisor.name_container(None)
+            raise
+        await supervisor.name_container(container.id)

@@ -1,67 +1,53 @@
-"""The process runtime: a flow run as a subprocess in its own session, stopped at its time limit.
+"""The process runtime: the flow run as a local process, in a session and cgroup of its own.
 
-The run gets its own process group, so everything it starts (a command, a
-data loader's workers) is stopped with it: SIGTERM to the group, a grace
-period, then SIGKILL.
+Its supervisor starts ``python -m e31_prefect.job_entry`` (Prefect's engine,
+saying when the work is done) with exactly the rented devices visible, and
+kills every process of it at the end.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import os
-import signal
-from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
+import sys
+from typing import TYPE_CHECKING
 
-from e31_prefect.runtimes import RunOutcome
+from e31_prefect import endings
+from e31_prefect.ledger import Spec
+from e31_prefect.runtimes import WORK_ENDED_VARIABLE, Placement, job_environment
 
+if TYPE_CHECKING:
+    from e31_prefect.supervision import Supervisor
 
-async def run_process(
-    command: Sequence[str],
-    *,
-    env: Mapping[str, str],
-    cwd: Path,
-    time_limit: float | None,
-    grace_seconds: float,
-    stop: asyncio.Event,
-    on_started: Callable[[int], None] = lambda pid: None,
-) -> RunOutcome:
-    """Run ``command`` until it exits, ``time_limit`` seconds pass or ``stop`` is set; then stop its group.
-
-    If the caller is cancelled the group is stopped too: no run outlives its worker's watch.
-    """
-    process = await asyncio.create_subprocess_exec(*command, env=dict(env), cwd=str(cwd), start_new_session=True)
-    on_started(process.pid)
-    exited = asyncio.ensure_future(process.wait())
-    stopped = asyncio.ensure_future(stop.wait())
-    try:
-        await asyncio.wait({exited, stopped}, timeout=time_limit, return_when=asyncio.FIRST_COMPLETED)
-        timed_out = not exited.done() and not stopped.done()
-        if not exited.done():
-            await stop_group(process, grace_seconds)
-    except BaseException:
-        await asyncio.shield(stop_group(process, grace_seconds))
-        raise
-    finally:
-        stopped.cancel()
-        # Whatever the leader left behind in its group goes with it.
-        _signal_group(process.pid, signal.SIGKILL)
-    code = process.returncode
-    return RunOutcome(exit_code=code if code is not None else -9, timed_out=timed_out,
-                      stopped=stop.is_set() and not timed_out)
+# Environment a job never inherits from its worker: storage credentials and the worker's own settings.
+WITHHELD_PREFIXES = ("AWS_", "AZURE_", "GOOGLE_APPLICATION_CREDENTIALS", "E31_")
 
 
-async def stop_group(process: asyncio.subprocess.Process, grace_seconds: float) -> None:
-    """SIGTERM the process group, wait up to ``grace_seconds``, then SIGKILL it."""
-    _signal_group(process.pid, signal.SIGTERM)
-    try:
-        await asyncio.wait_for(process.wait(), timeout=grace_seconds)
-    except asyncio.TimeoutError:
-        _signal_group(process.pid, signal.SIGKILL)
-        await process.wait()
+class ProcessRuntime:
+    """A run as a local process under its supervisor."""
+
+    name = "process"
+    died = endings.PROCESS_DIED
+
+    async def check(self) -> str | None:
+        return None
+
+    def spec(self, placement: Placement) -> Spec:
+        return placement.spec(
+            self.name, argv=[sys.executable, "-m", "e31_prefect.job_entry"], env=environment(placement),
+            cwd=str(placement.workspace))
+
+    async def start(self, placement: Placement, supervisor: Supervisor) -> None:
+        return None  # the supervisor starts the process itself
 
 
-def _signal_group(pgid: int, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, sig)
+def environment(placement: Placement) -> dict[str, str]:
+    """The job's environment: the host's (no credentials, no e31 settings), Prefect's, the job's own."""
+    from prefect.settings import PREFECT_API_URL
+
+    inherited = {k: v for k, v in os.environ.items() if not k.startswith(WITHHELD_PREFIXES)}
+    prefect_env = {k: v for k, v in placement.configuration.env.items() if v is not None}
+    # prefect-docker rewrites a loopback API URL for containers; a local process uses the worker's own.
+    prefect_env["PREFECT_API_URL"] = PREFECT_API_URL.value() or prefect_env.get("PREFECT_API_URL", "")
+    return {**inherited, **prefect_env,
+            **job_environment(placement.job, placement.devices, placement.data_dir, placement.output_dir),
+            WORK_ENDED_VARIABLE: str(placement.folder.work_ended_pipe)}

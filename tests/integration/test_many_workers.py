@@ -37,8 +37,9 @@ def work(seconds: float = 3):
 
 
 def start_worker(pool: str, tag: str, gpus: str, home: Path) -> subprocess.Popen:
-    env = {**os.environ, "E31_HOME": str(home), "E31_GPUS": gpus, "WORKER_TAG": tag, "E31_WATCH_SECONDS": "0.5",
-           "PREFECT_WORKER_QUERY_SECONDS": "1"}
+    # Each worker stands for a host of its own: its own home and its own host-wide device locks.
+    env = {**os.environ, "E31_HOME": str(home), "E31_DEVICE_LOCKS": str(home / "locks"), "E31_GPUS": gpus,
+           "WORKER_TAG": tag, "E31_WATCH_SECONDS": "0.5", "PREFECT_WORKER_QUERY_SECONDS": "1"}
     return subprocess.Popen([str(Path(sys.executable).parent / "prefect"), "worker", "start", "--pool", pool,
                              "--type", "e31"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 

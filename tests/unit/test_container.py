@@ -9,6 +9,7 @@ from pathlib import Path
 
 from prefect_docker.worker import DockerWorkerJobConfiguration
 
+from e31_prefect import job_entry
 from e31_prefect.inventory import Device
 from e31_prefect.job import parse_job
 from e31_prefect.results import result_environment
@@ -48,15 +49,17 @@ def test_prepared_container_mounts_data_read_only_and_hides_host_environment(tmp
     base = DockerWorkerJobConfiguration(image="ignored", env={"PREFECT_API_URL": "http://127.0.0.1:4200/api",
                                                               "PREFECT__FLOW_RUN_ID": "abc", "UNSET": None})
     prepared = container.prepare(base, job(gpus=2, memory="512m"), H100S, tmp_path / "data", tmp_path / "out",
-                                 tmp_path, send_device_requests=False)
+                                 tmp_path, send_device_requests=False, work_ended=tmp_path / "work-ended")
     assert prepared.image == "acme/trainer:1"
+    assert prepared.command == "python /e31/bin/job_entry.py"  # Prefect's engine, saying when the work ends
     assert prepared.privileged is False and prepared.auto_remove is False
     assert prepared.volumes == [f"{tmp_path / 'data'}:/e31/data:ro", f"{tmp_path / 'out'}:/e31/output:rw",
-                                f"{tmp_path}:{tmp_path}:ro"]
+                                f"{tmp_path}:{tmp_path}:ro", f"{job_entry.__file__}:/e31/bin/job_entry.py:ro",
+                                f"{tmp_path / 'work-ended'}:/e31/control/work-ended:rw"]
     assert prepared.env == {
         "PREFECT_API_URL": "http://127.0.0.1:4200/api", "PREFECT__FLOW_RUN_ID": "abc", "SEED": "7",
         "CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "1,2", "NVIDIA_VISIBLE_DEVICES": "1,2",
-        "E31_DATA_DIR": "/e31/data", "E31_OUTPUT_DIR": "/e31/output",
+        "E31_DATA_DIR": "/e31/data", "E31_OUTPUT_DIR": "/e31/output", "E31_WORK_ENDED": "/e31/control/work-ended",
         **result_environment("/e31/output"),  # the flow's result is persisted with its outputs
     }
     assert prepared.mem_limit == prepared.memswap_limit == str(512 * 1024 * 1024)
@@ -69,7 +72,9 @@ def test_prepared_container_mounts_data_read_only_and_hides_host_environment(tmp
 def test_a_deployment_built_with_its_code_inside_gets_no_job_folder_mount(tmp_path: Path):
     prepared = container.prepare(DockerWorkerJobConfiguration(image="x"), job(), [], tmp_path / "d", tmp_path / "o",
                                  None, send_device_requests=False)
-    assert len(prepared.volumes) == 2 and "working_dir" not in prepared.container_create_kwargs
+    assert [volume.split(":")[1] for volume in prepared.volumes] == ["/e31/data", "/e31/output",
+                                                                     "/e31/bin/job_entry.py"]
+    assert "working_dir" not in prepared.container_create_kwargs
 
 
 def test_a_deployments_relative_paths_are_read_from_its_folder(tmp_path: Path):

@@ -7,7 +7,9 @@ per flow run, and safe between threads.
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
 import sys
 import threading
 import types
@@ -305,6 +307,63 @@ def test_threads_holding_and_giving_back_never_overlap():
         t.join()
     assert failures == []
     assert pool.free() == pool.devices
+
+
+# -- one renter per device per host ----------------------------------------------------------
+
+
+def test_two_workers_on_one_host_never_rent_the_same_device(tmp_path):
+    """Two inventories on one lock folder are two e31 worker processes on one host (any pool, any E31_HOME)."""
+    first, second = Inventory(FOUR, tmp_path), Inventory(FOUR, tmp_path)
+    a, b = uuid4(), uuid4()
+    assert first.hold(a, FOUR[:2])
+    assert second.free() == FOUR[2:]
+    assert second.hold(b, FOUR[1:3]) is False
+    assert second.held_by(b) == []
+    assert second.hold(b, FOUR[2:])
+    assert first.free() == []
+    first.give_back(a)
+    assert second.free() == FOUR[:2]
+
+
+def test_a_device_stays_rented_while_any_process_holds_its_lock(tmp_path):
+    """The supervisor inherits the lock files; the worker letting go does not free the device."""
+    worker, other = Inventory(FOUR, tmp_path), Inventory(FOUR, tmp_path)
+    run = uuid4()
+    assert worker.hold(run, FOUR[:1])
+    files = worker.lock_files(run)
+    assert len(files) == 1
+    holder = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE,
+                              pass_fds=files)
+    try:
+        worker.give_back(run)
+        assert other.free() == FOUR[1:], "the child holds GPU 0 after the worker gave it back"
+    finally:
+        holder.communicate(b"")
+    assert other.free() == FOUR, "the kernel drops the lock when its last holder exits"
+
+
+def test_a_killed_holder_frees_its_devices(tmp_path):
+    code = ("from uuid import uuid4; from pathlib import Path; from e31_prefect.inventory import Inventory, Device;"
+            f"i = Inventory([Device(0, 'H100')], Path({str(tmp_path)!r})); assert i.hold(uuid4(), i.devices);"
+            "print('held', flush=True); import time; time.sleep(600)")
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    other = Inventory([Device(0, "H100")], tmp_path)
+    assert other.free() == []
+    assert other.hold(uuid4(), other.devices) is False
+    holder.kill()
+    holder.wait()
+    assert other.free() == other.devices
+
+
+def test_the_lock_folder_is_shared_by_every_user(tmp_path):
+    folder = tmp_path / "locks"
+    Inventory(FOUR, folder).free()
+    assert folder.stat().st_mode & 0o7777 == 0o1777
+    pool = Inventory(FOUR, folder)
+    pool.hold(uuid4(), FOUR[:1])
+    assert os.stat(folder / "gpu-0.lock").st_mode & 0o777 == 0o666
 
 
 # -- visible_devices_env ----------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The host ledger: which runs a dead worker left behind, and where their meters close."""
+"""The host ledger: which runs a gone worker left behind, and where their meters close."""
 
 from __future__ import annotations
 
@@ -7,65 +7,115 @@ import subprocess
 import sys
 from datetime import datetime, timedelta, timezone
 
-from e31_prefect.ledger import Holding, Ledger, process_start_time, this_process
-from e31_prefect.recovery import closing_meter
+from e31_prefect.ledger import Holding, Ledger, Record, process_running, process_start_time, same_process, this_process
+from e31_prefect.life import meter_from
 
 T0 = datetime(2026, 12, 2, 22, 0, tzinfo=timezone.utc)
 
 
-def holding(run_id: str, pid: int, started: str, **extra) -> Holding:
+def holding(run_id: str, **extra) -> Holding:
+    pid, started = this_process()
     return Holding(flow_run_id=run_id, worker_pid=pid, worker_started=started, job_name="train",
                    devices=[0, 1], workspace="/nowhere", gpus=2, **extra)
 
 
-def test_entries_of_live_workers_are_not_orphans_and_dead_ones_are(tmp_path):
+def at(seconds: float) -> str:
+    return (T0 + timedelta(seconds=seconds)).isoformat()
+
+
+def test_a_run_owned_by_a_live_worker_is_not_an_orphan(tmp_path):
     ledger = Ledger(tmp_path)
-    pid, started = this_process()
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    ledger.record(holding("alive", pid, started))
-    ledger.record(holding("dead", int(dead.stdout), "12345"))
-    assert [h.flow_run_id for h in ledger.orphans()] == ["dead"]
+    folder = ledger.folder("alive")
+    owner = folder.own()
+    assert owner is not None
+    folder.write_holding(holding("alive"))
+    assert ledger.claim_orphans() == []
+    os.close(owner)  # the worker is gone: the kernel drops its lock
+    [(claimed, lock)] = ledger.claim_orphans()
+    assert claimed.run_id == "alive" and claimed.holding().job_name == "train"
+    assert ledger.claim_orphans() == [], "an orphan is adopted by one worker only"
+    os.close(lock)
 
 
-def test_a_reused_pid_is_not_the_same_worker(tmp_path):
+def test_a_killed_workers_runs_are_orphans(tmp_path):
+    code = ("import sys, time; from pathlib import Path; from e31_prefect.ledger import Ledger;"
+            f"f = Ledger(Path({str(tmp_path)!r})).folder('r'); assert f.own() is not None;"
+            "f.holding_file.write_text('{}'); print('owned', flush=True); time.sleep(600)")
+    worker = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert worker.stdout.readline().strip() == "owned"
     ledger = Ledger(tmp_path)
-    ledger.record(holding("reused", os.getpid(), "not-this-process-start"))
-    assert [h.flow_run_id for h in ledger.orphans()] == ["reused"]
-    assert process_start_time(os.getpid()) is not None
+    assert ledger.claim_orphans() == []
+    worker.kill()
+    worker.wait()
+    assert [folder.run_id for folder, _ in ledger.claim_orphans()] == ["r"]
 
 
-def test_forget_and_rewrite(tmp_path):
+def test_a_folder_without_a_holding_is_not_a_run_yet(tmp_path):
     ledger = Ledger(tmp_path)
-    entry = holding("r", 1, "x")
-    ledger.record(entry)
-    entry.heartbeat = T0.isoformat()
-    ledger.record(entry)
-    assert [h.heartbeat for h in ledger.entries()] == [T0.isoformat()]
+    ledger.folder("starting").path.mkdir(parents=True)
+    assert ledger.folders() == [] and ledger.claim_orphans() == []
+
+
+def test_rewrite_and_forget(tmp_path):
+    ledger = Ledger(tmp_path)
+    folder = ledger.folder("r")
+    entry = holding("r")
+    folder.write_holding(entry)
+    entry.marks = {"rented": T0.isoformat()}
+    folder.write_holding(entry)
+    assert folder.holding().marks == {"rented": T0.isoformat()}
+    assert [p.name for p in folder.path.iterdir()] == ["holding.json"], "no temporary file is left"
     ledger.forget("r")
     ledger.forget("r")
-    assert ledger.entries() == []
+    assert ledger.folders() == []
 
 
-def test_a_dead_workers_meter_closes_at_its_last_heartbeat_not_at_recovery():
-    entry = holding("r", 1, "x", marks={"picked": T0.isoformat(), "rented": (T0 + timedelta(seconds=5)).isoformat(),
-                                        "running": (T0 + timedelta(seconds=6)).isoformat()},
-                    heartbeat=(T0 + timedelta(seconds=65)).isoformat(), team="vision")
-    meter = closing_meter(entry, now=T0 + timedelta(hours=3))
+def test_an_unreadable_file_reads_as_none_and_unknown_keys_are_ignored(tmp_path):
+    folder = Ledger(tmp_path).folder("r")
+    folder.path.mkdir()
+    folder.record_file.write_text("{not json")
+    assert folder.record() is None
+    folder.record_file.write_text('{"ending": "exited", "from_a_newer_version": 1}')
+    assert folder.record().ending == "exited"
+
+
+def test_the_meter_runs_from_rent_to_the_works_true_end():
+    entry = holding("r", marks={"picked": at(0), "rented": at(5)}, team="vision")
+    record = Record(started=at(6), ended=at(65), ending="exited")
+    meter = meter_from(entry, record, grace_seconds=10)
     assert meter.billed_seconds == 60.0
     assert meter.billed_gpu_seconds == 120.0
-    assert meter.marks["released"] == T0 + timedelta(hours=3)
+    assert meter.run_seconds == 59.0
     assert meter.team == "vision"
 
 
-def test_a_run_that_never_beat_is_billed_nothing():
-    entry = holding("r", 1, "x", marks={"rented": T0.isoformat()})
-    assert closing_meter(entry, now=T0 + timedelta(hours=1)).billed_seconds == 0.0
+def test_the_meter_stops_when_the_job_said_its_work_was_done_not_when_its_engine_reached_the_api():
+    entry = holding("r", marks={"rented": at(0)})
+    record = Record(started=at(1), work_ended=at(20), ended=at(104), ending="exited")
+    assert meter_from(entry, record, grace_seconds=10).billed_seconds == 20.0
 
 
-def test_process_running_tells_live_from_gone_and_unreaped():
-    from e31_prefect.ledger import process_running
+def test_a_stopped_run_is_billed_at_most_its_grace_past_the_stop():
+    entry = holding("r", marks={"rented": at(0)})
+    stubborn = Record(started=at(1), stop_requested=at(15), stop_reason="time-limit", ended=at(48),
+                      ending="timed-out")
+    assert meter_from(entry, stubborn, grace_seconds=10).billed_seconds == 25.0
+    prompt = Record(started=at(1), stop_requested=at(15), stop_reason="time-limit", ended=at(16),
+                    ending="timed-out")
+    assert meter_from(entry, prompt, grace_seconds=10).billed_seconds == 16.0
 
-    assert process_running(os.getpid())
+
+def test_a_run_whose_work_never_ended_has_no_end_yet():
+    entry = holding("r", marks={"rented": at(0)})
+    meter = meter_from(entry, Record(started=at(1)), grace_seconds=10)
+    assert "run_ended" not in meter.marks and meter.billed_seconds == 0.0
+
+
+def test_processes_are_told_apart_by_pid_and_start_time():
+    pid, started = this_process()
+    assert same_process(pid, started)
+    assert not same_process(pid, "not-this-process-start")
+    assert process_start_time(pid) == started
     finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     assert not process_running(int(finished.stdout))
     zombie = subprocess.Popen([sys.executable, "-c", "pass"])

@@ -1,0 +1,68 @@
+"""How an E31 run can end, each way named once: its state, its event, its meter tag.
+
+A job's life ends in the flow's own final state (it ran and reported), or in
+one of these, set by e31 when the flow could not say it itself: refused before
+renting, stopped by its supervisor, or let down by its outputs. Automations,
+``e31 usage`` and the meter tags read the same names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from prefect.client.schemas.objects import StateType
+
+
+@dataclass(frozen=True)
+class Ending:
+    """One way a run ends: the state it gets (by type and name), its ``e31.job.<event>`` and its message."""
+
+    name: str  # the state's name, e.g. TimedOut
+    event: str  # e31.job.<event>, and the meter tag e31:<event>
+    state: StateType
+    message: str = ""
+    retry_in_seconds: float = 0.0  # for a run handed back to the pool: when it may be taken again
+    billed: bool = True  # False: refused before anything was rented
+
+    @property
+    def tag(self) -> str:
+        """The flow run's tag that names this ending."""
+        return f"e31:{self.event}"
+
+    @property
+    def handed_back(self) -> bool:
+        """Whether the run goes back to the pool rather than ending."""
+        return self.state is StateType.SCHEDULED
+
+    def saying(self, message: str, retry_in_seconds: float = 0.0) -> Ending:
+        """This ending, with what happened to this run (and, handed back, when it may be taken again)."""
+        return replace(self, message=message, retry_in_seconds=retry_in_seconds)
+
+    def is_(self, other: Ending) -> bool:
+        """Whether this is that way of ending, whatever its message."""
+        return self.name == other.name and self.event == other.event
+
+
+# Refused before any GPU was rented: billed nothing.
+DEADLINE_MISSED = Ending("DeadlineMissed", "deadline-missed", StateType.FAILED, billed=False)
+INVALID_JOB = Ending("InvalidJob", "invalid-job", StateType.FAILED, billed=False)
+STAGING_FAILED = Ending("StagingFailed", "staging-failed", StateType.FAILED, billed=False)
+NO_CONTAINER_ENGINE = Ending("NoContainerEngine", "no-container-engine", StateType.FAILED, billed=False)
+OVER_QUOTA = Ending("OverQuota", "over-quota", StateType.FAILED, billed=False)
+HANDED_BACK = Ending("Scheduled", "handed-back", StateType.SCHEDULED, billed=False)
+
+# Ended by its supervisor or by what the work left.
+TIMED_OUT = Ending("TimedOut", "timed-out", StateType.FAILED)
+CANCELLED = Ending("Cancelled", "cancelled", StateType.CANCELLED)
+OUT_OF_MEMORY = Ending("OutOfMemory", "out-of-memory", StateType.FAILED)
+PROCESS_DIED = Ending("ProcessDied", "process-died", StateType.FAILED)
+CONTAINER_DIED = Ending("ContainerDied", "container-died", StateType.FAILED)
+NOT_STARTED = Ending("NotStarted", "not-started", StateType.FAILED)
+REPORTED_BY_WORKER = Ending("Completed", "completed-unreported", StateType.COMPLETED)
+OUTPUT_MISSING = Ending("OutputMissing", "output-missing", StateType.FAILED)
+OUTPUT_NOT_SENT = Ending("OutputNotSent", "output-not-sent", StateType.FAILED)
+WORKER_FAILED = Ending("Crashed", "worker-failed", StateType.CRASHED)
+
+ALL = (DEADLINE_MISSED, INVALID_JOB, STAGING_FAILED, NO_CONTAINER_ENGINE, OVER_QUOTA, HANDED_BACK, TIMED_OUT,
+       CANCELLED, OUT_OF_MEMORY, PROCESS_DIED, CONTAINER_DIED, NOT_STARTED, REPORTED_BY_WORKER, OUTPUT_MISSING,
+       OUTPUT_NOT_SENT, WORKER_FAILED)

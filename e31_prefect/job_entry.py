@@ -1,0 +1,94 @@
+"""A job's entry point: Prefect's own engine for the flow run, which also says when the work is done.
+
+    python -m e31_prefect.job_entry          # the process runtime
+    python /e31/bin/job_entry.py             # a container: mounted read-only, so any image with Prefect runs it
+
+It runs ``prefect.engine`` exactly as ``python -m prefect.engine`` does, with one
+addition: just before the engine reports the flow run's final state to the
+Prefect API, it writes to the pipe named by ``E31_WORK_ENDED``. The run's
+supervisor stops the meter there, so time the engine then spends reaching an
+API that is down is billed to nobody.
+
+Only the standard library and Prefect: this file must run in images that do
+not have e31-prefect installed.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+from typing import Any
+
+WORK_ENDED_VARIABLE = "E31_WORK_ENDED"
+_pipe: list[str] = []  # where to say it; taken out of the environment, so the flow's own code never sees it
+
+
+def say_work_ended(outcome: str) -> None:
+    """Tell the supervisor the work is done (once; no supervisor listening is fine)."""
+    if not _pipe:
+        return
+    path = _pipe.pop()
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+    except OSError:
+        return
+    try:
+        os.write(fd, f"{outcome}\n".encode())
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def is_last_state(engine: Any, state: Any) -> bool:
+    """Whether the engine is about to report the top flow run's last state (no retry comes after it)."""
+    flow_run = getattr(engine, "flow_run", None)
+    if flow_run is None or str(flow_run.id) != os.environ.get("PREFECT__FLOW_RUN_ID"):
+        return False  # a subflow's end is not the job's
+    if not state.is_final():
+        return False
+    if state.is_failed():
+        retries = getattr(getattr(engine, "flow", None), "retries", None) or 0
+        return (flow_run.run_count or 0) > retries  # the server sends a failed run with retries left back
+    return True
+
+
+def _say_before_reporting() -> None:
+    """Make both of Prefect's flow engines say the work ended before they report the final state."""
+    try:
+        from prefect import flow_engine
+    except ImportError:
+        return
+    sync_engine = getattr(flow_engine, "FlowRunEngine", None)
+    async_engine = getattr(flow_engine, "AsyncFlowRunEngine", None)
+    if sync_engine is not None and hasattr(sync_engine, "set_state"):
+        reporting = sync_engine.set_state
+
+        def set_state(self: Any, state: Any, *args: Any, **kwargs: Any) -> Any:
+            if is_last_state(self, state):
+                say_work_ended(state.type.value.lower())
+            return reporting(self, state, *args, **kwargs)
+
+        sync_engine.set_state = set_state
+    if async_engine is not None and hasattr(async_engine, "set_state"):
+        reporting_async = async_engine.set_state
+
+        async def set_state_async(self: Any, state: Any, *args: Any, **kwargs: Any) -> Any:
+            if is_last_state(self, state):
+                say_work_ended(state.type.value.lower())
+            return await reporting_async(self, state, *args, **kwargs)
+
+        async_engine.set_state = set_state_async
+
+
+def main() -> None:
+    """Run the flow run named by ``PREFECT__FLOW_RUN_ID`` with Prefect's engine."""
+    path = os.environ.pop(WORK_ENDED_VARIABLE, None)
+    if path:
+        _pipe.append(path)
+    _say_before_reporting()
+    runpy.run_module("prefect.engine", run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    main()

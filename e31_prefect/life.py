@@ -1,0 +1,565 @@
+"""The life of one E31 job on this host, as named steps: admit, stage, rent, run, judge, send, release.
+
+``E31Worker.run`` lives a job it took; ``E31Worker`` adopts a job whose worker
+died (:meth:`JobLife.adopt`): its supervisor kept it bounded meanwhile, and the
+life goes on from the step the ledger says it reached.
+
+Each step hands the next what it needs, or ends the life with an
+:class:`~e31_prefect.endings.Ending` (raised as :class:`Ends`). What a run
+holds while its work runs (devices, the quota lease, the cancellation watcher)
+is entered on one exit stack, so the order of release is written once; the
+ledger folder lives until the meter is closed. When the worker itself is told
+to stop, a life that rented leaves its work to the supervisor and its folder
+to the next worker; one that had not rented yet hands its run back to the pool.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from datetime import datetime, timedelta
+from pathlib import Path
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
+from uuid import UUID
+
+import anyio
+import anyio.abc
+from prefect.client.schemas.objects import FlowRun, State
+from prefect.exceptions import ObjectNotFound
+
+from e31_prefect import cgroups, endings, quotas, reporting, results, spool, timing
+from e31_prefect.blocks import StorageBlockError, load_storage
+from e31_prefect.endings import Ending
+from e31_prefect.inventory import Device, pick_devices
+from e31_prefect.job import Job, JobError
+from e31_prefect.ledger import Holding, Record, RunFolder, now, this_process
+from e31_prefect.meter import Meter, work_end
+from e31_prefect.runtimes import Placement, Runtime, runtime_for
+from e31_prefect.staging import (
+    StagingError,
+    UploadError,
+    missing_outputs,
+    remove_workspace,
+    stage_inputs,
+    upload_outputs,
+)
+from e31_prefect.supervision import Supervisor
+
+if TYPE_CHECKING:
+    from e31_prefect.worker import E31JobConfiguration, E31Worker
+
+QUOTA_RETRY = timedelta(seconds=15)
+CLOSE_RETRY_SECONDS = (1, 2, 5, 10, 30)  # the meter is recorded in Prefect once the API answers again
+
+
+def scheduled_start(flow_run: FlowRun) -> datetime:
+    """When Prefect scheduled the run to start (its creation time if it has none)."""
+    moment = flow_run.expected_start_time or flow_run.next_scheduled_start_time or flow_run.created
+    return timing.utc(moment) if moment else now()
+
+
+class Ends(Exception):
+    """A step ended the run's life."""
+
+    def __init__(self, ending: Ending):
+        super().__init__(ending.message)
+        self.ending = ending
+
+
+def judge(record: Record | None, flow_state: State | None, died: Ending, job: Job) -> Ending | None:
+    """The ending a run deserves from how its work ended; None where the flow's own final state stands."""
+    if record is None or record.ending is None:
+        return died.saying("The run's supervisor left no record of how the work ended; outputs written so far "
+                           "were kept.")
+    if record.ending == "not-started":
+        return endings.NOT_STARTED.saying(f"The work did not start: {record.message or 'unknown reason'}. "
+                                          "Nothing ran; the devices went back at once.")
+    if record.ending == "timed-out":
+        return endings.TIMED_OUT.saying(f"Timed out: stopped at its time limit {record.stop_requested}; outputs "
+                                        "written so far were kept.")
+    if record.ending == "stopped":
+        return endings.CANCELLED.saying("Cancelled while running: stopped, devices released, outputs so far kept.")
+    if record.ending == "out-of-memory":
+        return endings.OUT_OF_MEMORY.saying(f"Out of memory: the work was killed at its memory limit (request.memory "
+                                            f"= {job.request.memory}); outputs written so far were kept.")
+    if flow_state is not None and flow_state.is_final():
+        return None
+    if record.work_ended is not None:
+        return endings.REPORTED_BY_WORKER.saying(
+            f"The flow's work ended at {record.work_ended}, but its engine could not report it to the Prefect "
+            "API in time; e31 reports it. Its outputs were sent.")
+    return died.saying(f"The run's {died.name.removesuffix('Died').lower()} died with exit code "
+                       f"{record.exit_code} before the flow reported a final state; outputs written so far "
+                       "were kept.")
+
+
+def meter_from(holding: Holding, record: Record | None, grace_seconds: float) -> Meter:
+    """The run's meter: the worker's marks, and the work's own start and true end from its supervisor."""
+    meter = Meter(gpus=holding.gpus, team=holding.team, devices=list(holding.devices))
+    for step, at in holding.marks_as_datetimes().items():
+        meter.mark(step, at)
+    if record is not None and record.started:
+        meter.mark("running", datetime.fromisoformat(record.started))
+    if record is not None and record.ended:
+        meter.mark("run_ended", work_end(
+            datetime.fromisoformat(record.ended),
+            datetime.fromisoformat(record.work_ended) if record.work_ended else None,
+            datetime.fromisoformat(record.stop_requested) if record.stop_requested else None, grace_seconds))
+    return meter
+
+
+class JobLife:
+    """The life of one job on this host, from taking the run to closing its meter."""
+
+    def __init__(self, worker: E31Worker, flow_run: FlowRun, configuration: E31JobConfiguration | None,
+                 task_status: anyio.abc.TaskStatus[Any] = anyio.TASK_STATUS_IGNORED):
+        self.worker = worker
+        self.flow_run = flow_run
+        self.run_id = flow_run.id
+        self.configuration = configuration
+        self.task_status = task_status
+        self.log = worker.get_flow_run_logger(flow_run)
+        related = worker._event_related_resources(configuration=configuration) if configuration else []
+        self.report = reporting.JobReport(worker.client, flow_run, related)
+        self.meter = worker.meters.setdefault(flow_run.id, Meter())
+        self.folder = worker.ledger.folder(str(flow_run.id))
+        self.workspace = worker.settings.workspaces / str(flow_run.id)
+        self.job_name = configuration._job_name if configuration else flow_run.name
+        self.holding: Holding | None = None  # from renting on: what the ledger keeps of the run
+        self.devices: list[Device] = []
+        self.lease: UUID | None = None
+        self.options: dict[str, Any] | None = None  # the storage block's fsspec options (None: default chain)
+        self.storage: Any = None
+        self.infrastructure: str | None = None
+        self._started = False
+        self._detached = False
+        self._owner: int | None = None  # the run's owner lock in the ledger, from renting to release
+
+    # -- the whole life ---------------------------------------------------------------------------
+
+    async def live(self) -> Ending | None:
+        """Live the job: every step in turn, then release; the meter closes whatever happens."""
+        self.meter.mark("submitted", scheduled_start(self.flow_run))
+        self.meter.mark("picked", now())
+        try:
+            ending = await self._live()
+        except anyio.get_cancelled_exc_class():
+            with anyio.CancelScope(shield=True), anyio.move_on_after(5):
+                await self._leave()
+            raise
+        except Exception as exc:
+            if isinstance(exc, Ends):
+                ending = exc.ending
+            else:
+                self.log.exception("The e31 worker failed while living this job")
+                ending = endings.WORKER_FAILED.saying(f"The e31 worker failed: {type(exc).__name__}: {exc}")
+            self._signal_started(RuntimeError(ending.message))
+            with anyio.CancelScope(shield=True):
+                await self._set_state(ending)
+        self._signal_started(RuntimeError("The run ended before it started."))
+        with anyio.CancelScope(shield=True):
+            await self.release(ending)
+        return ending
+
+    async def _live(self) -> Ending | None:
+        job = self.admit()
+        runtime = runtime_for(job, self.worker, self.configuration)
+        await self.check(job, runtime)
+        await self.stage(job)
+        async with AsyncExitStack() as held:
+            placement = await held.enter_async_context(self.rent(job, runtime))
+            supervisor = await self.start_work(placement, runtime)
+            await held.enter_async_context(self.watching(supervisor))
+            record = await supervisor.wait()
+        self.log.info("Work ended (%s, exit code %s); devices %s back in the pool",
+                      record.ending if record else "no record", record.exit_code if record else "?",
+                      [d.index for d in self.devices] or "none")
+        return await self.after_work(job, record, runtime.died)
+
+    async def _leave(self) -> None:
+        """The worker is stopping: a rented run stays with its supervisor (the next worker adopts it);
+        one not rented yet goes back to the pool."""
+        self._detached = True
+        if self.holding is not None:
+            self.log.info("This worker is stopping: the run stays with its supervisor for the next e31 worker")
+            return
+        self.worker.meters.pop(self.run_id, None)
+        remove_workspace(self.workspace)
+        with contextlib.suppress(Exception):
+            await self._set_state(endings.HANDED_BACK.saying("The e31 worker that took it stopped; rescheduled."))
+
+    # -- admit ------------------------------------------------------------------------------------
+
+    def admit(self) -> Job:
+        """The valid job, if it can still meet its deadline; else the run is refused (nothing rented)."""
+        assert self.configuration is not None
+        try:
+            job = self.configuration.job()
+        except JobError as exc:
+            raise Ends(endings.INVALID_JOB.saying("The job is not valid:\n" + str(exc))) from None
+        self.job_name = job.name
+        self.meter.gpus, self.meter.team = job.request.gpus, job.team
+        deadline = timing.resolve_deadline(job.request.deadline, scheduled_start(self.flow_run), job.tz)
+        latest = timing.latest_start(deadline, job.request.admission_duration)
+        if latest is not None and now() > latest:
+            self.report.step("deadline-missed", latest_start=latest.isoformat())
+            raise Ends(endings.DEADLINE_MISSED.saying(
+                f"Deadline missed: the run had to start by {latest.isoformat()} to finish by "
+                f"{deadline.isoformat() if deadline else '?'}; it is now {now().isoformat(timespec='seconds')}. "
+                "No GPU was rented."))
+        return job
+
+    async def check(self, job: Job, runtime: Runtime) -> None:
+        """The host can run the job (its container engine answers), before anything is staged or rented."""
+        problem = await runtime.check()
+        if problem is not None:
+            raise Ends(endings.NO_CONTAINER_ENGINE.saying(
+                f"The job runs in image {job.work.image!r} but {problem}; run it where Docker runs, or remove "
+                "work.image to run it as a local process. No GPU was rented."))
+
+    # -- stage ------------------------------------------------------------------------------------
+
+    async def stage(self, job: Job) -> None:
+        """Copy the job's data into its workspace, verified and read-only, before any GPU is held."""
+        (self.workspace / "output").mkdir(parents=True, exist_ok=True)
+        try:
+            self.storage = await load_storage(job.storage) if job.storage else None
+            self.options = self.storage.fsspec_options() if self.storage else None
+            staged = await anyio.to_thread.run_sync(stage_inputs, job.data, self.workspace / "data", self.options,
+                                                    self.log, abandon_on_cancel=True)
+        except (StagingError, StorageBlockError) as exc:
+            raise Ends(endings.STAGING_FAILED.saying(f"Staging failed before any GPU was rented: {exc}")) from None
+        self.meter.mark("staged", now())
+        self.report.step("staged", files=staged.files, bytes=staged.bytes, seconds=round(staged.seconds, 3))
+
+    # -- rent -------------------------------------------------------------------------------------
+
+    @asynccontextmanager
+    async def rent(self, job: Job, runtime: Runtime) -> AsyncIterator[Placement]:
+        """Hold the job's devices and quota slots, and write its ledger entry: the meter starts.
+
+        On leaving, the devices and slots go back (the devices are free on the host once the
+        supervisor, which holds their locks too, has ended). A worker that is stopping keeps the
+        slots' lease for the worker that adopts the run.
+        """
+        inventory = self.worker.inventory
+        devices = inventory.held_by(self.run_id)
+        if len(devices) != job.request.gpus:
+            wanted = pick_devices(inventory.free(), job.request.gpus, job.request.gpu_type)
+            if wanted is None or not inventory.hold(self.run_id, wanted):
+                raise Ends(endings.HANDED_BACK.saying(
+                    f"No {job.request.gpus} free GPU(s) on worker {self.worker.name!r}; rescheduled."))
+            devices = wanted
+        try:
+            self.lease = await self._acquire(job, len(devices))
+            self.devices = devices
+            self.meter.devices = [d.index for d in devices]
+            self.meter.mark("rented", now())
+            self.report.step("rented", devices, gpus=len(devices), devices=[d.index for d in devices])
+            deadline = timing.resolve_deadline(job.request.deadline, scheduled_start(self.flow_run), job.tz)
+            stop_at = timing.stop_at(now(), job.request.time_limit, deadline)
+            if stop_at is not None:
+                self.worker.holds_until[self.run_id] = stop_at
+            self._write_holding(job, runtime, stop_at)
+            assert self.configuration is not None
+            yield Placement(str(self.run_id), job, devices, self.workspace, self.folder, stop_at, self.configuration,
+                            self.worker.settings)
+        except anyio.get_cancelled_exc_class():
+            self._detached = True  # the worker is stopping: the lease stays for the worker that adopts the run
+            raise
+        finally:
+            self.worker.return_devices(self.run_id)
+            if not self._detached:
+                await self._release_lease()
+
+    async def _acquire(self, job: Job, gpus: int) -> UUID | None:
+        names = quotas.limit_names(self.worker._work_pool_name, job.team)
+        try:
+            return await quotas.acquire(self.worker.client, names, gpus, self.run_id)
+        except quotas.QuotaFull as exc:
+            raise Ends(endings.HANDED_BACK.saying(f"Quota full: {exc}; rescheduled.",
+                                                  QUOTA_RETRY.total_seconds())) from None
+        except quotas.OverQuota as exc:
+            raise Ends(endings.OVER_QUOTA.saying(f"Over quota: {exc}; raise it with `e31 quota set` or ask for "
+                                                 "fewer GPUs. No GPU was rented.")) from None
+
+    async def _release_lease(self) -> None:
+        if self.lease is not None:
+            lease, self.lease = self.lease, None
+            with anyio.CancelScope(shield=True), anyio.move_on_after(30):
+                await quotas.release(self.worker.client, lease)
+
+    def _write_holding(self, job: Job, runtime: Runtime, stop_at: datetime | None) -> None:
+        if self._owner is None:
+            self._owner = self.folder.own()  # before the entry exists: no other worker takes it for an orphan
+        pid, started = this_process()
+        self.holding = Holding(
+            flow_run_id=str(self.run_id), worker_pid=pid, worker_started=started, job_name=job.name,
+            devices=[d.index for d in self.devices], workspace=str(self.workspace),
+            job=job.model_dump(mode="json", by_alias=True), pool=self.worker._work_pool_name,
+            destination=self._destination(job), lease=str(self.lease) if self.lease else None,
+            runtime=runtime.name, gpus=len(self.devices), team=job.team, storage=job.storage,
+            stop_at=stop_at.isoformat() if stop_at else None)
+        self._save()
+
+    def _save(self) -> None:
+        """Rewrite the ledger entry with the meter so far."""
+        if self.holding is not None:
+            self.holding.marks = {step: at.isoformat() for step, at in self.meter.marks.items()}
+            self.folder.write_holding(self.holding)
+
+    # -- run --------------------------------------------------------------------------------------
+
+    async def start_work(self, placement: Placement, runtime: Runtime) -> Supervisor:
+        """Start the run's supervisor with the devices' locks; it starts the work (a container through
+        the runtime) and owns it from then on."""
+        supervisor = await Supervisor.start(self.folder, runtime.spec(placement),
+                                            self.worker.inventory.lock_files(self.run_id))
+        try:
+            await runtime.start(placement, supervisor)
+        except Exception as exc:
+            self.log.error("The work could not be started: %s: %s", type(exc).__name__, exc)
+        record = await supervisor.started()
+        if record.started:
+            self._on_started(record)
+        return supervisor
+
+    def _on_started(self, record: Record) -> None:
+        self.infrastructure = record.infrastructure
+        assert record.started
+        self.meter.mark("running", datetime.fromisoformat(record.started))
+        self._save()
+        for note in record.notes:
+            self.log.warning("Supervisor: %s", note)
+        self.report.step("running", self.devices, infrastructure=str(record.infrastructure))
+        self._signal_started(str(record.infrastructure))
+
+    @asynccontextmanager
+    async def watching(self, supervisor: Supervisor) -> AsyncIterator[None]:
+        """While the work runs: stop it when the run is cancelled, and keep the quota lease renewed."""
+        async with anyio.create_task_group() as watchers:
+            watchers.start_soon(self._watch, supervisor)
+            try:
+                yield
+            finally:
+                watchers.cancel_scope.cancel()
+
+    async def _watch(self, supervisor: Supervisor) -> None:
+        renewed = now()
+        while True:
+            await anyio.sleep(self.worker.settings.watch_seconds)
+            if self.lease is not None and (now() - renewed).total_seconds() > quotas.LEASE_SECONDS / 3:
+                with contextlib.suppress(Exception):
+                    await quotas.renew(self.worker.client, self.lease)
+                    renewed = now()
+            with contextlib.suppress(Exception):
+                state = (await self.worker.client.read_flow_run(self.run_id)).state
+                if state is not None and state.is_cancelling():
+                    self.log.info("Cancellation requested: stopping the run")
+                    supervisor.stop()
+
+    # -- judge and send ---------------------------------------------------------------------------
+
+    async def after_work(self, job: Job, record: Record | None, died: Ending) -> Ending | None:
+        """Judge how the work ended, then send its outputs (which may end the run in turn)."""
+        assert self.holding is not None
+        self.meter = meter_from(self.holding, record, self.worker.settings.stop_grace_seconds)
+        self.worker.meters[self.run_id] = self.meter
+        self._save()
+        ending = judge(record, await self._flow_state(), died, job)
+        if ending is not None:
+            self.report.step(ending.event, self.devices)
+            await self._set_state(ending)
+        sent = await self.send(job)
+        if sent is not None:
+            await self._set_state(sent)
+        return sent or ending
+
+    async def _flow_state(self) -> State | None:
+        return (await self.worker.client.read_flow_run(self.run_id)).state
+
+    async def send(self, job: Job) -> Ending | None:
+        """Send the output dir to its destination; keep it in the spool if the store will not take it."""
+        assert self.holding is not None
+        output_dir = self.workspace / "output"
+        destination = self.holding.destination or self._destination(job)
+        try:
+            sent = await anyio.to_thread.run_sync(upload_outputs, output_dir, destination, self.options, 3, 1.0,
+                                                  self.log, abandon_on_cancel=True)
+        except UploadError as exc:
+            state = await self._flow_state()
+            kept = await anyio.to_thread.run_sync(
+                spool.keep, output_dir, self.worker.settings.spool, str(self.run_id), destination, job.storage,
+                job.name, state.name if state else None, str(exc))
+            self.holding.destination = kept.outputs_url
+            await spool.record_kept(self.worker.client, self.run_id, kept)
+            return endings.OUTPUT_NOT_SENT.saying(kept.message())
+        self.meter.mark("output", now())
+        self._save()
+        self.report.step("output", files=sent.files, bytes=sent.bytes, destination=destination)
+        missing = missing_outputs(output_dir, job.output.expect)
+        state = await self._flow_state()
+        if missing and state is not None and state.is_completed():
+            return endings.OUTPUT_MISSING.saying("Expected output missing: " + ", ".join(missing)
+                                                 + f" (the run wrote {sent.files} file(s) to {destination}).")
+        await results.point_result_at_outputs(self.worker.client, self.run_id, output_dir, destination,
+                                              self.storage, self.log)
+        return None
+
+    def _destination(self, job: Job) -> str:
+        template = job.output.to or f"file://{self.worker.settings.home / 'outputs'}/{{flow_run.id}}/"
+        return template.format(
+            flow_run=SimpleNamespace(id=str(self.run_id), name=self.flow_run.name),
+            date=scheduled_start(self.flow_run).date().isoformat(),
+            job=job.name,
+        )
+
+    # -- release ----------------------------------------------------------------------------------
+
+    async def _set_state(self, ending: Ending | None) -> None:
+        if ending is None:
+            return
+        if ending.handed_back:
+            self.log.warning(ending.message)
+        elif ending.state.value != "COMPLETED":
+            self.log.error(ending.message)
+        await self.report.end(ending)
+
+    async def release(self, ending: Ending | None) -> None:
+        """Close the meter (tags, artifacts, event), forget the ledger entry, remove the workspace.
+
+        A run handed back to the pool is not closed: it has not ended. The meter's record in Prefect
+        is retried until the API answers; if the worker stops first, the ledger keeps it for the next.
+        """
+        if ending is not None and ending.handed_back:
+            self.worker.meters.pop(self.run_id, None)
+            self._forget()
+            return
+        self.meter.mark("released", now())
+        if "rented" in self.meter.marks:
+            # Work that never started stopped billing when its devices went back.
+            self.meter.mark("run_ended", self.meter.marks["released"])
+        self._save()
+        if self.worker._only_flow_run_ids is None:
+            # A long-lived worker keeps no meter in memory once it is recorded in Prefect.
+            self.worker.meters.pop(self.run_id, None)
+        sent_or_kept = "output" in self.meter.marks or (ending is not None and ending.is_(endings.OUTPUT_NOT_SENT))
+        outputs = self.holding.destination if self.holding and sent_or_kept else None
+        if not await self._close(ending, outputs):
+            return
+        self.report.step("released", self.devices, billed_seconds=round(self.meter.billed_seconds, 3),
+                         billed_gpu_seconds=round(self.meter.billed_gpu_seconds, 3), gpus=self.meter.gpus)
+        self._forget()
+
+    def _forget(self) -> None:
+        """The run is done here: its ledger folder, owner lock and workspace go."""
+        self.worker.ledger.forget(str(self.run_id))
+        if self._owner is not None:
+            os.close(self._owner)
+            self._owner = None
+        if not self.worker.settings.keep_workspaces:
+            remove_workspace(self.workspace)
+
+    async def _close(self, ending: Ending | None, outputs: str | None) -> bool:
+        for pause in (*CLOSE_RETRY_SECONDS, None):
+            try:
+                await self.report.close(self.meter, self.job_name, ending.event if ending else None, outputs)
+                return True
+            except Exception as exc:
+                if pause is None:
+                    self.log.error("The meter could not be recorded in Prefect (%s); the ledger keeps it for the "
+                                   "next e31 worker on this host", exc)
+                    return False
+                await anyio.sleep(pause)
+        return False
+
+    def _signal_started(self, value: str | Exception) -> None:
+        # Prefect's worker waits for this signal once: the infrastructure id, or an exception
+        # saying no infrastructure started.
+        if not self._started:
+            self._started = True
+            self.task_status.started(value)
+
+    # -- adoption ---------------------------------------------------------------------------------
+
+    @classmethod
+    async def adopt(cls, worker: E31Worker, folder: RunFolder, owner: int) -> Ending | None:
+        """Finish the life of a run whose worker died, from the step its ledger folder reached.
+
+        ``owner``: the run's owner lock, taken by the adopting worker.
+        """
+        holding = folder.holding()
+        try:
+            flow_run = await worker.client.read_flow_run(UUID(folder.run_id))
+        except (ObjectNotFound, ValueError):
+            flow_run = None
+        if holding is None or flow_run is None:
+            _stop_leftovers(folder)
+            worker.ledger.forget(folder.run_id)
+            os.close(owner)
+            return None
+        life = cls(worker, flow_run, None)
+        life.job_name, life.holding, life._owner = holding.job_name, holding, owner
+        life.workspace = Path(holding.workspace)
+        life.lease = UUID(holding.lease) if holding.lease else None
+        life.meter = meter_from(holding, folder.record(), worker.settings.stop_grace_seconds)
+        life.log.warning("Adopting this run, left by a worker that is gone (pid %s)", holding.worker_pid)
+        ending = await life._resume(folder, Job.model_validate(holding.job))
+        await life.release(ending)
+        await life._release_lease()
+        return ending
+
+    async def _resume(self, folder: RunFolder, job: Job) -> Ending | None:
+        try:
+            self.storage = await load_storage(job.storage) if job.storage else None
+            self.options = self.storage.fsspec_options() if self.storage else None
+        except StorageBlockError as exc:
+            self.log.warning("Outputs of this run may go to the spool: %s", exc)
+        if folder.spec() is None:
+            # Rented, never started: nothing ran. The run goes back to the pool.
+            state = await self._flow_state()
+            if state is None or not state.is_final():
+                return endings.HANDED_BACK.saying("The e31 worker that rented it died before starting it; "
+                                                  "rescheduled.")
+            return None
+        supervisor = Supervisor(folder)
+        if supervisor.alive():
+            async with self.watching(supervisor):
+                record = await supervisor.wait()
+        else:
+            record = folder.record()
+            if record is None or not record.finished:
+                # The supervisor itself died: whatever it left runs unbounded, so it goes now.
+                _stop_leftovers(folder)
+                record = record or Record()
+                record.ended, record.ending = now().isoformat(), "exited"
+                record.message = "the run's supervisor died; its work was stopped by the adopting worker"
+        self.devices = [Device(index, "GPU") for index in (self.holding.devices if self.holding else [])]
+        died = endings.CONTAINER_DIED if self.holding and self.holding.runtime == "container" else \
+            endings.PROCESS_DIED
+        if "output" in self.meter.marks:
+            return None
+        return await self.after_work(job, record, died)
+
+
+def _stop_leftovers(folder: RunFolder) -> None:
+    """Kill what a run whose supervisor is gone left running: its cgroup, or its container."""
+    record = folder.record()
+    holding = folder.holding()
+    if record is not None:
+        cgroups.kill_path(record.cgroup)
+    if holding is not None and holding.runtime == "container":
+        with contextlib.suppress(Exception):
+            import docker
+
+            client = docker.from_env(timeout=30)
+            try:
+                for container in client.containers.list(
+                        all=True, filters={"label": f"prefect.io/flow-run-id={folder.run_id}"}):
+                    container.remove(force=True)
+            finally:
+                client.close()
+

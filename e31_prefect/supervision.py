@@ -1,0 +1,126 @@
+"""The worker's side of a run's supervisor: start it with the run's device locks, stop it, wait for it.
+
+The supervisor (:mod:`e31_prefect.supervisor`) runs in a session of its own and
+outlives the worker; a worker that adopts a dead worker's run reaches its
+supervisor by pid, as the ledger names it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+from collections.abc import Sequence
+
+from e31_prefect.ledger import Record, RunFolder, Spec, same_process
+
+STARTED_POLL_SECONDS = 0.02
+
+
+def make_work_ended_pipe(folder: RunFolder) -> None:
+    """The pipe the job says its work ended on; made before a container that mounts it is created."""
+    with contextlib.suppress(FileExistsError):
+        os.mkfifo(folder.work_ended_pipe, 0o622)
+    os.chmod(folder.work_ended_pipe, 0o622)  # the job may run as another user; it only writes
+
+
+class SupervisorGone(RuntimeError):
+    """The supervisor ended without saying whether the work started."""
+
+
+class Supervisor:
+    """One run's supervisor, started here or adopted from the ledger."""
+
+    def __init__(self, folder: RunFolder, process: asyncio.subprocess.Process | None = None):
+        self.folder = folder
+        self.process = process
+
+    @classmethod
+    async def start(cls, folder: RunFolder, spec: Spec, lock_files: Sequence[int]) -> Supervisor:
+        """Write the spec and start the supervisor, handing it the open lock files of the run's devices."""
+        folder.write_spec(spec)
+        make_work_ended_pipe(folder)
+        with open(folder.supervisor_log, "ab") as log:
+            process = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "e31_prefect.supervisor", str(folder.path),
+                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.DEVNULL, stderr=log,
+                start_new_session=True,  # a signal to the worker's group (Ctrl-C, a service stop) is not its
+                pass_fds=tuple(lock_files), cwd="/")
+        return cls(folder, process)
+
+    @property
+    def pid(self) -> int | None:
+        """The supervisor's pid (from the ledger when adopted)."""
+        if self.process is not None:
+            return self.process.pid
+        record = self.folder.record()
+        return record.supervisor_pid if record else None
+
+    def alive(self) -> bool:
+        """Whether the supervisor still runs."""
+        if self.process is not None:
+            return self.process.returncode is None
+        record = self.folder.record()
+        return record is not None and same_process(record.supervisor_pid, record.supervisor_started)
+
+    async def name_container(self, container_id: str | None) -> None:
+        """Tell a container run's supervisor which container to watch (None: none was started)."""
+        if self.process is None or self.process.stdin is None:
+            return
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            if container_id:
+                self.process.stdin.write(f"{container_id}\n".encode())
+                await self.process.stdin.drain()
+            self.process.stdin.close()
+
+    async def started(self) -> Record:
+        """The record once the work started, or ended without starting."""
+        while True:
+            record = self.folder.record()
+            if record is not None and (record.started or record.finished):
+                return record
+            if not self.alive():
+                record = self.folder.record()
+                if record is not None and (record.started or record.finished):
+                    return record
+                raise SupervisorGone(f"the run's supervisor ended before starting the work; see "
+                                     f"{self.folder.supervisor_log}")
+            await asyncio.sleep(STARTED_POLL_SECONDS)
+
+    def stop(self) -> None:
+        """Ask the supervisor to stop the work (the run was cancelled)."""
+        if self.process is not None:
+            with contextlib.suppress(ProcessLookupError):
+                self.process.send_signal(signal.SIGTERM)
+            return
+        record = self.folder.record()
+        if record is not None and same_process(record.supervisor_pid, record.supervisor_started):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(record.supervisor_pid, signal.SIGTERM)
+
+    async def wait(self) -> Record | None:
+        """The supervisor's record once it has exited (None if it left none)."""
+        if self.process is not None:
+            await self.process.wait()
+        else:
+            await self._wait_adopted()
+        return self.folder.record()
+
+    async def _wait_adopted(self) -> None:
+        record = self.folder.record()
+        if record is None or not same_process(record.supervisor_pid, record.supervisor_started):
+            return
+        try:
+            fd = os.pidfd_open(record.supervisor_pid)
+        except OSError:
+            return
+        exited = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        loop.add_reader(fd, exited.set)
+        try:
+            await exited.wait()
+        finally:
+            loop.remove_reader(fd)
+            os.close(fd)

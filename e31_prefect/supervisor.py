@@ -1,0 +1,456 @@
+"""A run's supervisor, in the spirit of Slurm's slurmstepd: it owns the work, bounds it and records it.
+
+    python -m e31_prefect.supervisor $E31_HOME/ledger/<flow run id>
+
+The worker starts one supervisor per run, in a session of its own, right after
+renting. The supervisor outlives the worker: it starts the work (a process in
+the run's cgroup, or a container the worker created and names on stdin),
+enforces the time limit whether or not the worker lives, stops the work when
+asked (SIGTERM: the run was cancelled), kills every process of the work at the
+end (``setsid`` daemons too), and records durably in the ledger when the work
+started, when it said its work was done, when it ended and how. It holds the
+run's device locks (inherited from the worker), so the devices stay rented
+exactly as long as the work can use them.
+
+The job's own entry (:mod:`e31_prefect.job_entry`) writes to the ``work-ended``
+pipe when the flow's function returns, before the engine reports to the
+Prefect API: the meter stops there, so an API that is down at the end of a run
+is billed to nobody. The job then has ``report_grace_seconds`` to report and exit.
+
+Only the standard library (and the Docker client for containers): it starts in
+milliseconds, and every second between renting and starting is billed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Protocol
+
+from e31_prefect import cgroups
+from e31_prefect.ledger import Record, RunFolder, Spec, moment, now, this_process
+
+PR_SET_CHILD_SUBREAPER = 36
+KILL_RETRY_SECONDS = 1.0
+CONTAINER_STOP_EXTRA_SECONDS = 5.0  # past the grace, a container that did not stop is killed, then removed
+
+
+@dataclass
+class Exit:
+    """How the work ended: its exit code, when, and whether it was killed at its memory limit."""
+
+    code: int
+    at: datetime
+    out_of_memory: bool = False
+
+
+class Work(Protocol):
+    """What the supervisor supervises: a process group in a cgroup, or a container."""
+
+    def start(self) -> str | None:
+        """Start it; its pid or container id (None: it never started)."""
+
+    def fileno(self) -> int:
+        """A file that becomes readable when the work ends."""
+
+    def ended(self) -> Exit | None:
+        """Its exit, once it ended (call when :meth:`fileno` is readable, or any time)."""
+
+    def terminate(self, grace_seconds: float) -> None:
+        """Ask every process of the work to stop (SIGTERM, or docker stop)."""
+
+    def kill(self) -> None:
+        """Kill every process of the work, now."""
+
+    def clean_up(self) -> None:
+        """After the end: nothing of the work is left (processes, cgroup, container)."""
+
+
+class ProcessWork:
+    """The work as a process in a session and cgroup of its own; the supervisor is its subreaper."""
+
+    def __init__(self, spec: Spec, log: Path, record: Record):
+        self.spec = spec
+        self.log = log
+        self.group = cgroups.RunGroup.create(f"run-{spec.run_id}", spec.memory_bytes, spec.pids_limit)
+        record.cgroup = str(self.group.v2) if self.group.v2 else None
+        record.limits = dict(self.group.limits)
+        record.notes += self.group.why
+        self.process: subprocess.Popen[bytes] | None = None
+        self._pidfd = -1
+        self._exit: Exit | None = None
+
+    def start(self) -> str | None:
+        files = self.group.join_files
+        with open(self.log, "ab") as out:
+            self.process = subprocess.Popen(
+                self.spec.argv, env=self.spec.env, cwd=self.spec.cwd, stdin=subprocess.DEVNULL,
+                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                user=self.spec.user, group=self.spec.group,
+                extra_groups=[] if self.spec.group is not None else None,
+                preexec_fn=(lambda: cgroups.join(files)) if files else None)
+        self._pidfd = os.pidfd_open(self.process.pid)
+        return str(self.process.pid)
+
+    def fileno(self) -> int:
+        return self._pidfd
+
+    def ended(self) -> Exit | None:
+        if self._exit is None and self.process is not None:
+            reap(but=self.process.pid)
+            try:
+                pid, status = os.waitpid(self.process.pid, os.WNOHANG)
+            except ChildProcessError:
+                pid, status = self.process.pid, 0
+            if pid:
+                # The process was reaped here, not by Popen: tell it, so it never waits on a reused pid.
+                self.process.returncode = os.waitstatus_to_exitcode(status)
+                self._exit = Exit(self.process.returncode, now(), self.group.out_of_memory())
+        return self._exit
+
+    def terminate(self, grace_seconds: float) -> None:
+        for pid in self._everyone():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.group.kill()
+        for _ in range(100):  # without a cgroup, its processes are ours to find, reparented or not
+            left = _descendants(os.getpid())
+            if not left:
+                break
+            for pid in left:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+            reap()
+            time.sleep(0.01)
+
+    def clean_up(self) -> None:
+        self.kill()
+        reap()
+        self.group.remove()
+        with contextlib.suppress(OSError):
+            os.close(self._pidfd)
+
+    def _everyone(self) -> set[int]:
+        return self.group.pids() | _descendants(os.getpid())
+
+
+class ContainerWork:
+    """The work as a container the worker created and started; the supervisor watches, stops and removes it.
+
+    Docker keeps the container's own start, end, exit code and memory kill; the supervisor adds
+    the time limit, the stop when asked, and a stop that escalates (stop, kill, remove) so a
+    container that will not stop never bills past its limit and grace.
+    """
+
+    def __init__(self, spec: Spec, names: list[str]):
+        import docker
+
+        self.spec = spec
+        self.client = docker.from_env(timeout=30)
+        self.api = self.client.api
+        self.id: str | None = next(iter(names), None)
+        self._read, self._write = os.pipe()
+        self._exit: Exit | None = None
+        self._stopping: threading.Thread | None = None
+
+    def start(self) -> str | None:
+        if self.id is None and self.spec.container_label:
+            # The worker never named it (it died or failed first): one may exist, under the run's label.
+            found = self.api.containers(all=True, filters={"label": self.spec.container_label})
+            self.id = found[0]["Id"] if found else None
+        if self.id is None:
+            return None
+        threading.Thread(target=self._wait, daemon=True).start()
+        return self.id
+
+    def _wait(self) -> None:
+        import docker.errors
+        import requests.exceptions
+
+        while True:
+            try:
+                self.api.wait(self.id, timeout=30)
+                break
+            except requests.exceptions.RequestException:
+                continue  # the wait timed out or the engine restarted: wait again
+            except docker.errors.NotFound:
+                break
+            except docker.errors.APIError:
+                time.sleep(1)
+        os.write(self._write, b"x")
+
+    def fileno(self) -> int:
+        return self._read
+
+    def ended(self) -> Exit | None:
+        if self._exit is None:
+            state = self._state()
+            if state is not None and state.get("Status") in ("running", "restarting", "created", "paused"):
+                return None
+            state = state or {}
+            finished = _docker_time(state.get("FinishedAt")) or now()
+            self._exit = Exit(int(state.get("ExitCode", -1)), finished, bool(state.get("OOMKilled")))
+        return self._exit
+
+    def _state(self) -> dict | None:
+        import docker.errors
+
+        try:
+            return self.api.inspect_container(self.id)["State"]
+        except docker.errors.NotFound:
+            return None
+        except Exception:
+            return {"Status": "running"}  # the engine does not answer: assume the worst, ask again
+
+    def terminate(self, grace_seconds: float) -> None:
+        if self._stopping is None or not self._stopping.is_alive():
+            self._stopping = threading.Thread(target=self._stop, args=(grace_seconds,), daemon=True)
+            self._stopping.start()
+
+    def _stop(self, grace_seconds: float) -> None:
+        with contextlib.suppress(Exception):
+            self.api.stop(self.id, timeout=max(1, round(grace_seconds)))
+            return
+        self.kill()
+
+    def kill(self) -> None:
+        for action in (lambda: self.api.kill(self.id), lambda: self.api.remove_container(self.id, force=True)):
+            with contextlib.suppress(Exception):
+                action()
+                return
+
+    def clean_up(self) -> None:
+        with contextlib.suppress(Exception):
+            self.api.remove_container(self.id, force=True)
+        self.client.close()
+
+
+def _docker_time(text: str | None) -> datetime | None:
+    """Docker's RFC 3339 times (nanoseconds); None for its zero time."""
+    if not text or text.startswith("0001-"):
+        return None
+    head, _, rest = text.partition(".")
+    fraction = "".join(c for c in rest if c.isdigit())[:6]
+    zone = "+00:00" if rest.endswith("Z") or text.endswith("Z") else rest[len(fraction):][-6:]
+    try:
+        return datetime.fromisoformat(f"{head}.{fraction or '0'}{zone}").astimezone(timezone.utc)
+    except ValueError:
+        return None
+
+
+def _descendants(root: int) -> set[int]:
+    """Every live process below ``root`` (read from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if stat[0] not in ("Z", "X"):
+            children.setdefault(int(stat[1]), []).append(int(entry))
+    found: set[int] = set()
+    stack = [root]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            if child not in found:
+                found.add(child)
+                stack.append(child)
+    return found
+
+
+def reap(but: int | None = None) -> None:
+    """Reap every exited child (orphans of the work are reparented here), except ``but``, left for its owner."""
+    while True:
+        try:
+            info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            return
+        if info is None or info.si_pid == but:
+            return
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(info.si_pid, 0)
+
+
+class Supervisor:
+    """Runs one run's work to its end and records it; see the module's docstring."""
+
+    def __init__(self, folder: RunFolder, spec: Spec, work: Work, record: Record, stop: threading.Event,
+                 wake: int):
+        self.folder = folder
+        self.spec = spec
+        self.work = work
+        self.record = record
+        self.stop = stop  # set by SIGTERM: the run was cancelled
+        self.wake = wake  # readable when a signal arrived
+        self.stop_at = moment(spec.stop_at)
+        self.kill_at: datetime | None = None
+        self.report_by: datetime | None = None
+
+    def save(self) -> None:
+        """Write the record as it stands."""
+        self.folder.write_record(self.record)
+
+    def run(self) -> int:
+        """Start the work, bound it, record its end. Returns the supervisor's exit status (0)."""
+        pipe = _open_pipe(self.folder.work_ended_pipe)
+        try:
+            infrastructure = self.work.start()
+        except Exception as exc:
+            infrastructure = None
+            self.record.message = f"the work could not start: {type(exc).__name__}: {exc}"
+        if infrastructure is None:
+            self.record.ending, self.record.ended = "not-started", now().isoformat()
+            self.record.message = self.record.message or "the work never started"
+            self.save()
+            return 0
+        self.record.infrastructure, self.record.started = infrastructure, now().isoformat()
+        self.save()
+        selector = selectors.DefaultSelector()
+        selector.register(self.work.fileno(), selectors.EVENT_READ, "work")
+        selector.register(pipe, selectors.EVENT_READ, "work-ended")
+        selector.register(self.wake, selectors.EVENT_READ, "signal")
+        while True:
+            for key, _ in selector.select(self._seconds_to_next()):
+                if key.data == "work-ended" and self._work_said_ended(pipe):
+                    selector.unregister(pipe)
+                elif key.data == "signal":
+                    with contextlib.suppress(BlockingIOError):
+                        os.read(self.wake, 512)
+            exit_ = self.work.ended()
+            if exit_ is not None:
+                break
+            self._enforce()
+        self._finish(exit_)
+        return 0
+
+    def _seconds_to_next(self) -> float:
+        """Until the next thing to do (at most a second, so the work's state is read often)."""
+        due = self.kill_at if self.record.stop_reason is not None else self.report_by or self.stop_at
+        if due is None:
+            return KILL_RETRY_SECONDS
+        return max(0.0, min(KILL_RETRY_SECONDS, (due - now()).total_seconds()))
+
+    def _work_said_ended(self, pipe: int) -> bool:
+        """The job wrote to the work-ended pipe: the meter's end. True once it has said so."""
+        try:
+            said = os.read(pipe, 4096)
+        except BlockingIOError:
+            return False
+        if not said:
+            return False
+        self.record.work_ended = now().isoformat()
+        self.report_by = now() + timedelta(seconds=self.spec.report_grace_seconds)
+        self.save()
+        return True
+
+    def _enforce(self) -> None:
+        """Start a stop at the time limit, when asked, or when a job that said it ended never exits."""
+        at = now()
+        if self.record.stop_reason is None:
+            if self.stop.is_set():
+                self._begin_stop("stop-requested", at, self.spec.grace_seconds)
+            elif self.report_by is not None and at >= self.report_by:
+                self._begin_stop("report-overdue", at, 0.0)
+            elif self.report_by is None and self.stop_at is not None and at >= self.stop_at:
+                self._begin_stop("time-limit", at, self.spec.grace_seconds)
+        elif self.kill_at is not None and at >= self.kill_at:
+            self.work.kill()
+            self.kill_at = at + timedelta(seconds=KILL_RETRY_SECONDS)
+
+    def _begin_stop(self, reason: str, at: datetime, grace: float) -> None:
+        self.record.stop_reason, self.record.stop_requested = reason, at.isoformat()
+        self.save()
+        if grace > 0:
+            self.work.terminate(grace)
+            extra = CONTAINER_STOP_EXTRA_SECONDS if isinstance(self.work, ContainerWork) else 0.0
+            self.kill_at = at + timedelta(seconds=grace + extra)
+        else:
+            self.work.kill()
+            self.kill_at = at + timedelta(seconds=KILL_RETRY_SECONDS)
+
+    def _finish(self, exit_: Exit) -> None:
+        # Whatever the work left behind goes with it: daemons, children of a dead leader.
+        self.work.clean_up()
+        self.record.ended = exit_.at.isoformat()
+        self.record.exit_code = exit_.code
+        reason = self.record.stop_reason
+        if exit_.out_of_memory:
+            self.record.ending = "out-of-memory"
+        elif reason == "time-limit":
+            self.record.ending = "timed-out"
+        elif reason == "stop-requested":
+            self.record.ending = "stopped"
+        else:
+            self.record.ending = "exited"
+        self.save()
+
+
+def _open_pipe(path: Path) -> int:
+    """The work-ended pipe (the worker made it), open for reading; read-write so a writer closing it
+    never reads as an end."""
+    with contextlib.suppress(FileExistsError):
+        os.mkfifo(path, 0o622)
+    return os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
+
+
+def _signal_pipe(stop: threading.Event) -> int:
+    """SIGTERM asks for a stop; SIGCHLD wakes the loop; the terminal's signals are not the supervisor's."""
+    read, write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    signal.set_wakeup_fd(write)
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    for ignored in (signal.SIGINT, signal.SIGHUP, signal.SIGPIPE):
+        signal.signal(ignored, signal.SIG_IGN)
+    return read
+
+
+def _become_subreaper() -> None:
+    # The work's orphans (a double-forked daemon) are reparented here, not to init: the
+    # supervisor can find and kill them where the host gives it no cgroup.
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def _container_names() -> list[str]:
+    """The container id the worker writes on stdin once it started it (none if the worker closed it first)."""
+    line = sys.stdin.readline().strip()
+    return [line] if line else []
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Supervise the run whose ledger folder is the first argument."""
+    argv = sys.argv[1:] if argv is None else argv
+    folder = RunFolder(Path(argv[0]))
+    spec = folder.spec()
+    if spec is None:
+        print(f"no readable spec.json in {folder.path}", file=sys.stderr)
+        return 2
+    pid, started = this_process()
+    record = Record(supervisor_pid=pid, supervisor_started=started)
+    folder.write_record(record)
+    stop = threading.Event()
+    wake = _signal_pipe(stop)  # before anything else: a cancel may come while the work starts
+    _become_subreaper()
+    if spec.runtime == "container":
+        work: Work = ContainerWork(spec, _container_names())
+    else:
+        work = ProcessWork(spec, folder.output_log, record)
+    return Supervisor(folder, spec, work, record, stop, wake).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
