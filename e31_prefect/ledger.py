@@ -84,6 +84,7 @@ class Spec:
     memory_bytes: int | None = None
     pids_limit: int | None = None
     container_label: str | None = None  # label=value naming the run's container, if the worker never names it
+    cgroups: bool = True  # False: the work's processes are found as the supervisor's descendants only
 
 
 @dataclass

@@ -41,6 +41,11 @@ class E31Settings(BaseSettings):
         description="Host-wide folder of device lock files, shared by every e31 worker on the host whatever its "
         "pool or E31_HOME, so a device is rented to one run at a time per host.",
     )
+    cgroups: bool = Field(
+        default=True,
+        description="Put each process run in a cgroup of its own where the host allows (memory and pids limits, "
+        "every process killed at the end); false: its processes are found as its supervisor's descendants.",
+    )
     stop_grace_seconds: float = Field(
         default=10.0,
         description="At the time limit, how long a run has after SIGTERM before SIGKILL.",

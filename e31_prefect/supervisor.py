@@ -82,7 +82,8 @@ class ProcessWork:
     def __init__(self, spec: Spec, log: Path, record: Record):
         self.spec = spec
         self.log = log
-        self.group = cgroups.RunGroup.create(f"run-{spec.run_id}", spec.memory_bytes, spec.pids_limit)
+        self.group = cgroups.RunGroup.create(f"run-{spec.run_id}", spec.memory_bytes, spec.pids_limit,
+                                             None if spec.cgroups else cgroups.Mounts())
         record.cgroup = str(self.group.v2) if self.group.v2 else None
         record.limits = dict(self.group.limits)
         record.notes += self.group.why

@@ -57,7 +57,8 @@ class Placement:
                     stop_at=self.stop_at.isoformat() if self.stop_at else None,
                     grace_seconds=self.settings.stop_grace_seconds,
                     report_grace_seconds=self.settings.report_grace_seconds,
-                    memory_bytes=self.job.request.memory_bytes, pids_limit=DEFAULT_PIDS_LIMIT, **fields)
+                    memory_bytes=self.job.request.memory_bytes, pids_limit=DEFAULT_PIDS_LIMIT,
+                    cgroups=self.settings.cgroups, **fields)
 
 
 class Runtime(Protocol):

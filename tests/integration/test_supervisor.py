@@ -1,0 +1,227 @@
+"""A run's supervisor on real processes: it owns every process of the work, bounds it, and records it.
+
+No Prefect here: the supervisor runs any command. Each test is something a job can do to its host
+(a setsid daemon, a fork bomb, eating memory, claiming to be done and going on) or that can happen
+to its worker (killed mid-run), and checks what the supervisor's record and the host show after.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from datetime import datetime, timedelta
+from pathlib import Path
+
+import pytest
+
+from e31_prefect import cgroups
+from e31_prefect.inventory import Device, Inventory
+from e31_prefect.ledger import Record, RunFolder, Spec, now, process_running
+from e31_prefect.supervision import make_work_ended_pipe
+
+pytestmark = pytest.mark.integration
+
+DAEMON = """
+import os, sys, time
+pid_file = sys.argv[1]
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        open(pid_file, "w").write(str(os.getpid()))
+        time.sleep(600)
+    os._exit(0)
+time.sleep(float(sys.argv[2]))
+"""
+
+
+def start(folder: Path, script: str, *args: str, seconds: float | None = None, **spec: object) -> subprocess.Popen:
+    """A supervisor for ``script``, started as a worker starts one (its own session)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    run = RunFolder(folder)
+    run.write_spec(Spec(
+        run_id=folder.name, runtime="process",
+        stop_at=(now() + timedelta(seconds=seconds)).isoformat() if seconds else None,
+        argv=[sys.executable, "-c", textwrap.dedent(script), *args],
+        env={"PATH": os.environ["PATH"], "E31_WORK_ENDED": str(run.work_ended_pipe)},
+        cwd=str(folder), **{"grace_seconds": 1.0, **spec}))
+    make_work_ended_pipe(run)
+    return subprocess.Popen([sys.executable, "-m", "e31_prefect.supervisor", str(folder)], start_new_session=True,
+                            stdin=subprocess.DEVNULL)
+
+
+def finished(folder: Path, supervisor: subprocess.Popen, timeout: float = 60) -> Record:
+    supervisor.wait(timeout=timeout)
+    record = RunFolder(folder).record()
+    assert record is not None and record.finished, record
+    return record
+
+
+def seconds_between(first: str, last: str) -> float:
+    return (datetime.fromisoformat(last) - datetime.fromisoformat(first)).total_seconds()
+
+
+def wait_for(path: Path, timeout: float = 30) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and path.read_text():
+            return path.read_text()
+        time.sleep(0.05)
+    raise AssertionError(f"{path} never appeared")
+
+
+@pytest.mark.parametrize("use_cgroups", [True, False], ids=["cgroup", "subreaper"])
+def test_a_setsid_daemon_dies_with_the_work_that_started_it(tmp_path, use_cgroups):
+    supervisor = start(tmp_path / "run", DAEMON, str(tmp_path / "daemon.pid"), "0.5", cgroups=use_cgroups)
+    daemon = int(wait_for(tmp_path / "daemon.pid"))
+    record = finished(tmp_path / "run", supervisor)
+    assert record.ending == "exited" and record.exit_code == 0
+    assert not process_running(daemon), "the double-forked setsid daemon outlived its job"
+
+
+@pytest.mark.parametrize("use_cgroups", [True, False], ids=["cgroup", "subreaper"])
+def test_the_time_limit_stops_the_work_and_every_descendant(tmp_path, use_cgroups):
+    supervisor = start(tmp_path / "run", DAEMON, str(tmp_path / "daemon.pid"), "600", seconds=2,
+                       cgroups=use_cgroups)
+    daemon = int(wait_for(tmp_path / "daemon.pid"))
+    record = finished(tmp_path / "run", supervisor)
+    assert record.ending == "timed-out" and record.stop_reason == "time-limit"
+    assert 0 <= seconds_between(record.stop_requested, record.ended) <= 1.5  # SIGTERM ends it within its grace
+    assert not process_running(daemon)
+
+
+def test_a_job_that_ignores_sigterm_is_killed_after_its_grace(tmp_path):
+    stubborn = "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\ntime.sleep(600)"
+    record = finished(tmp_path / "run", start(tmp_path / "run", stubborn, seconds=1, grace_seconds=2))
+    assert record.ending == "timed-out" and record.exit_code == -signal.SIGKILL
+    assert 1.8 <= seconds_between(record.stop_requested, record.ended) <= 3.5
+
+
+def test_sigterm_to_the_supervisor_stops_the_work(tmp_path):
+    supervisor = start(tmp_path / "run", DAEMON, str(tmp_path / "daemon.pid"), "600")
+    daemon = int(wait_for(tmp_path / "daemon.pid"))
+    supervisor.send_signal(signal.SIGTERM)
+    record = finished(tmp_path / "run", supervisor)
+    assert record.ending == "stopped" and record.stop_reason == "stop-requested"
+    assert not process_running(daemon)
+
+
+def test_the_work_outlives_its_worker_and_is_still_bounded(tmp_path):
+    """A worker starts the supervisor and is SIGKILLed: the time limit holds, nobody waits for it."""
+    folder = tmp_path / "run"
+    worker = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import subprocess, sys, time
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from test_supervisor import start
+        from pathlib import Path
+        supervisor = start(Path({str(folder)!r}), "import time; time.sleep(600)", seconds=3)
+        print(supervisor.pid, flush=True)
+        time.sleep(600)
+        """)], stdout=subprocess.PIPE, text=True)
+    supervisor_pid = int(worker.stdout.readline())
+    worker.kill()
+    worker.wait()
+    assert process_running(supervisor_pid), "the supervisor dies with its worker"
+    deadline = time.monotonic() + 30
+    while process_running(supervisor_pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    record = RunFolder(folder).record()
+    assert record.ending == "timed-out"
+    assert not process_running(int(record.infrastructure))
+
+
+def test_the_meter_ends_where_the_job_said_its_work_was_done(tmp_path):
+    """A job whose engine cannot reach Prefect after its work: its end is the word it sent, not its exit."""
+    script = """
+        import os, time
+        time.sleep(0.5)
+        fd = os.open(os.environ["E31_WORK_ENDED"], os.O_WRONLY | os.O_NONBLOCK)
+        os.write(fd, b"completed\\n"); os.close(fd)
+        time.sleep(3)   # the engine, retrying a Prefect API that is down
+    """
+    record = finished(tmp_path / "run", start(tmp_path / "run", script, report_grace_seconds=30))
+    assert record.ending == "exited"
+    assert 0.4 <= seconds_between(record.started, record.work_ended) <= 1.5
+    assert seconds_between(record.work_ended, record.ended) >= 2.5
+
+
+def test_a_job_that_says_it_is_done_and_goes_on_is_stopped_after_the_report_grace(tmp_path):
+    script = """
+        import os, time
+        fd = os.open(os.environ["E31_WORK_ENDED"], os.O_WRONLY | os.O_NONBLOCK)
+        os.write(fd, b"completed\\n"); os.close(fd)
+        time.sleep(600)
+    """
+    record = finished(tmp_path / "run", start(tmp_path / "run", script, seconds=3600, report_grace_seconds=2))
+    assert record.stop_reason == "report-overdue" and record.exit_code == -signal.SIGKILL
+    assert 1.8 <= seconds_between(record.work_ended, record.ended) <= 4
+
+
+def test_the_devices_stay_rented_until_the_supervisor_ends(tmp_path):
+    locks = tmp_path / "locks"
+    worker, other = Inventory([Device(0, "H100")], locks), Inventory([Device(0, "H100")], locks)
+    from uuid import uuid4
+
+    run = uuid4()
+    assert worker.hold(run, worker.devices)
+    folder = tmp_path / "run"
+    folder.mkdir()
+    RunFolder(folder).write_spec(Spec(run_id="run", runtime="process", stop_at=None,
+                                      argv=[sys.executable, "-c", "import time; time.sleep(2)"],
+                                      env={"PATH": os.environ["PATH"]}, cwd=str(folder)))
+    supervisor = subprocess.Popen([sys.executable, "-m", "e31_prefect.supervisor", str(folder)], start_new_session=True,
+                                  pass_fds=worker.lock_files(run))
+    worker.give_back(run)  # the worker lets go at once (as a killed one would)
+    assert other.free() == [], "GPU 0 could be rented again while its run's work still runs"
+    finished(folder, supervisor)
+    assert other.free() == other.devices
+
+
+def _memory_cgroup() -> bool:
+    group = cgroups.RunGroup.create("probe-memory", 64 * 2**20, None)
+    try:
+        return group.limits["memory"]
+    finally:
+        group.remove()
+
+
+@pytest.mark.skipif(not _memory_cgroup(), reason="this host gives no cgroup memory controller to e31")
+def test_a_process_job_is_killed_at_its_memory_limit(tmp_path):
+    hog = "chunks = []\nwhile True:\n    chunks.append(bytearray(16 * 2**20))"
+    record = finished(tmp_path / "run", start(tmp_path / "run", hog, memory_bytes=128 * 2**20, seconds=60))
+    assert record.ending == "out-of-memory"
+
+
+def _running_with(marker: str) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and process_running(int(entry)):
+            try:
+                if marker.encode() in Path(f"/proc/{entry}/cmdline").read_bytes():
+                    found.append(int(entry))
+            except OSError:
+                continue
+    return found
+
+
+def test_a_fork_bomb_is_held_to_the_pids_limit_and_killed(tmp_path):
+    bomb = "import os, time\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        time.sleep(0.01)"
+    marker = f"bomb-{tmp_path.name}"
+    supervisor = start(tmp_path / "run", bomb, marker, seconds=3, pids_limit=64)
+    time.sleep(1.5)
+    assert len(_running_with(marker)) <= 64
+    record = finished(tmp_path / "run", supervisor, timeout=60)
+    assert record.ending == "timed-out" and record.limits["pids"]
+    assert _running_with(marker) == []
+
+
+def test_work_that_cannot_start_is_recorded_not_started(tmp_path):
+    folder = tmp_path / "run"
+    folder.mkdir()
+    RunFolder(folder).write_spec(Spec(run_id="run", runtime="process", stop_at=None, argv=["/no/such/program"],
+                                      env={}, cwd=str(folder)))
+    record = finished(folder, subprocess.Popen([sys.executable, "-m", "e31_prefect.supervisor", str(folder)]))
+    assert record.ending == "not-started" and "/no/such/program" in record.message
