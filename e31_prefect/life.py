@@ -348,18 +348,35 @@ class JobLife:
                 watchers.cancel_scope.cancel()
 
     async def _watch(self, supervisor: Supervisor) -> None:
-        renewed = now()
+        renewed: datetime | None = now() if self.lease is not None and self.infrastructure else None
         while True:
             await anyio.sleep(self.worker.settings.watch_seconds)
-            if self.lease is not None and (now() - renewed).total_seconds() > quotas.LEASE_SECONDS / 3:
+            if renewed is None or (now() - renewed).total_seconds() > quotas.LEASE_SECONDS / 3:
                 with contextlib.suppress(Exception):
-                    await quotas.renew(self.worker.client, self.lease)
+                    await self._keep_slots()
                     renewed = now()
             with contextlib.suppress(Exception):
                 state = (await self.worker.client.read_flow_run(self.run_id)).state
                 if state is not None and state.is_cancelling():
                     self.log.info("Cancellation requested: stopping the run")
                     supervisor.stop()
+
+    async def _keep_slots(self) -> None:
+        """Renew the run's quota lease; one that expired (its worker died, the API was down longer than a
+        lease) is taken again, so a running run counts against its quotas."""
+        if self.holding is None or self.holding.gpus == 0:
+            return
+        if self.lease is not None and await quotas.renew(self.worker.client, self.lease):
+            return
+        names = quotas.limit_names(self.holding.pool or self.worker._work_pool_name, self.holding.team)
+        try:
+            self.lease = await quotas.acquire(self.worker.client, names, self.holding.gpus, self.run_id)
+        except (quotas.QuotaFull, quotas.OverQuota) as exc:
+            self.lease = None
+            self.log.warning("This running run holds no quota slots (its lease expired and %s)", exc)
+            return
+        self.holding.lease = str(self.lease) if self.lease else None
+        self._save()
 
     # -- judge and send ---------------------------------------------------------------------------
 

@@ -63,9 +63,15 @@ async def acquire(client: PrefectClient, names: list[str], gpus: int, flow_run_i
     return UUID(response.json()["lease_id"])
 
 
-async def renew(client: PrefectClient, lease_id: UUID) -> None:
-    """Keep holding the slots for another lease period."""
-    await client.renew_concurrency_lease(lease_id, lease_duration=LEASE_SECONDS)
+async def renew(client: PrefectClient, lease_id: UUID) -> bool:
+    """Keep holding the slots for another lease period; False when the lease is gone (it expired)."""
+    try:
+        await client.renew_concurrency_lease(lease_id, lease_duration=LEASE_SECONDS)
+    except PrefectHTTPStatusError as exc:
+        if exc.response.status_code in (404, 410):  # 410: the server let it expire
+            return False
+        raise
+    return True
 
 
 async def release(client: PrefectClient, lease_id: UUID) -> None:

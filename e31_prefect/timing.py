@@ -31,6 +31,7 @@ _TIME_OF_DAY = re.compile(r"^([01]?\d|2[0-3]):([0-5]\d)$")
 
 DURATION_HINT = "write a duration such as 90m, 2h, 1h30m, PT2H or a number of seconds"
 MAX_DURATION = timedelta(days=366)
+EARLIEST_YEAR, LATEST_YEAR = 1970, 9000
 TIME_HINT = "write a time of day such as 22:00 or an ISO datetime with a zone such as 2026-12-03T07:00:00+00:00"
 
 
@@ -92,6 +93,9 @@ def parse_aware_datetime(text: str) -> datetime:
         raise ValueError(f"{text!r} is not a time; {TIME_HINT}") from None
     if moment.tzinfo is None:
         raise ValueError(f"{text!r} has no time zone; add one, e.g. {text}+00:00")
+    if not EARLIEST_YEAR <= moment.year <= LATEST_YEAR:
+        # Far enough from datetime's own bounds that no deadline or start arithmetic can overflow.
+        raise ValueError(f"{text!r} is out of range; give a date between {EARLIEST_YEAR} and {LATEST_YEAR}")
     return moment
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from prefect import get_client
 
-from e31_prefect.ledger import process_running
+from e31_prefect.ledger import RunFolder, process_running
 from tests.integration.conftest import cli, flow_run_id
 from tests.integration.test_jobs_end_to_end import read_run, write_job
 
@@ -40,8 +40,10 @@ def start_worker(pool: str, tag: str, gpus: str, home: Path) -> subprocess.Popen
     # Each worker stands for a host of its own: its own home and its own host-wide device locks.
     env = {**os.environ, "E31_HOME": str(home), "E31_DEVICE_LOCKS": str(home / "locks"), "E31_GPUS": gpus,
            "WORKER_TAG": tag, "E31_WATCH_SECONDS": "0.5", "PREFECT_WORKER_QUERY_SECONDS": "1"}
+    home.mkdir(parents=True, exist_ok=True)
+    log = (home / f"worker-{time.monotonic_ns()}.log").open("wb")  # kept: a failure shows what the worker saw
     return subprocess.Popen([str(Path(sys.executable).parent / "prefect"), "worker", "start", "--pool", pool,
-                             "--type", "e31"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                             "--type", "e31"], env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
 def active_slots(name: str) -> int:
@@ -104,7 +106,8 @@ def test_two_workers_share_a_pool_and_a_team_quota_without_renting_twice(prefect
     assert active_slots(f"e31-team-{team}") == 0
 
 
-def test_a_killed_workers_quota_slots_come_back_within_a_lease(prefect_server, tmp_path, pool):
+def test_a_killed_workers_quota_slots_come_back_within_a_lease_and_its_adopter_holds_them_again(
+        prefect_server, tmp_path, pool):
     assert cli("e31", "quota", "set", "--pool", pool, "4").returncode == 0
     job = write_job(tmp_path / "job", """
         name: lease-holder
@@ -126,10 +129,22 @@ def test_a_killed_workers_quota_slots_come_back_within_a_lease(prefect_server, t
     while active_slots(f"e31-pool-{pool}") and time.monotonic() - killed < 180:
         time.sleep(2)
     assert active_slots(f"e31-pool-{pool}") == 0, "slots outlived the lease of the dead worker"
-    # The orphan still runs until a worker starts on its host; that one cleans it up.
-    entry = json.loads((home / "ledger" / f"{run_id}.json").read_text())
-    assert process_running(int(entry["infrastructure"]))
-    env = {"E31_HOME": str(home), "E31_GPUS": "2xH100", "WORKER_TAG": "a"}
-    assert cli("prefect", "worker", "start", "--pool", pool, "--type", "e31", "--run-once", env=env).returncode == 0
-    assert not process_running(int(entry["infrastructure"]))
-    assert read_run(run_id).state.type.value == "CRASHED"
+    # The run goes on under its supervisor; the next worker on its host adopts it and holds its slots again.
+    record = RunFolder(home / "ledger" / str(run_id)).record()
+    assert process_running(int(record.infrastructure))
+    adopter = start_worker(pool, "a", "2xH100", home)
+    try:
+        deadline = time.monotonic() + 60
+        while active_slots(f"e31-pool-{pool}") != 2 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert active_slots(f"e31-pool-{pool}") == 2
+        assert cli("prefect", "flow-run", "cancel", str(run_id)).returncode == 0
+        deadline = time.monotonic() + 60
+        while not any(t.startswith("e31:billed-s=") for t in read_run(run_id).tags) and time.monotonic() < deadline:
+            time.sleep(0.5)
+    finally:
+        adopter.send_signal(signal.SIGTERM)
+        adopter.wait(timeout=30)
+    assert read_run(run_id).state.is_cancelled()
+    assert not process_running(int(record.infrastructure))
+    assert active_slots(f"e31-pool-{pool}") == 0

@@ -544,3 +544,11 @@ def test_prefect_datetimes_become_plain_aware_utc_instants():
     assert type(deadline) is datetime and deadline.tzinfo is timezone.utc
     assert latest == datetime(2026, 12, 2, 23, 55, tzinfo=timezone.utc)
     assert latest < datetime(2026, 12, 3, tzinfo=timezone.utc)
+
+
+@pytest.mark.parametrize("text", ["0001-01-01T00:00:00+00:00", "9999-12-31T23:59:59+00:00",
+                                  "1969-12-31T23:00:00+00:00"])
+def test_a_start_or_deadline_out_of_range_is_refused_before_any_arithmetic_can_overflow(text):
+    for check in (timing.check_start, timing.check_deadline):
+        with pytest.raises(ValueError, match="out of range; give a date between 1970 and 9000"):
+            check(text)
