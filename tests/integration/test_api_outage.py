@@ -1,0 +1,128 @@
+"""The Prefect API goes down at the end of a run: the run is billed its work, not the outage.
+
+This test has a Prefect server of its own (the session's stays up for the others), stops it
+while a job is finishing its work, and starts it again 20 s later on the same database.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from datetime import datetime
+from pathlib import Path
+
+import httpx
+import pytest
+
+from e31_prefect.ledger import Record, RunFolder
+from e31_prefect.meter import work_end
+from tests.integration.conftest import flow_run_id
+from tests.integration.test_jobs_end_to_end import write_job
+from tests.integration.test_worker_faults import Worker, until
+
+pytestmark = pytest.mark.integration
+
+FLOW = """
+import time
+from prefect import flow
+from e31_prefect import output_dir
+
+@flow
+def work(seconds: float) -> str:
+    time.sleep(seconds)
+    (output_dir() / "done.txt").write_text("done")
+    return "done"
+"""
+
+
+class OwnServer:
+    """A Prefect server on its own port and database, that a test may stop and start again."""
+
+    def __init__(self, home: Path):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
+        self.home = home
+        self.api_url = f"http://127.0.0.1:{self.port}/api"
+        self.env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_API_URL": self.api_url}
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        log = (self.home / "server.log").open("ab")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(self.port)],
+            env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        until(self.healthy, 180, "the Prefect server answering", every=0.5)
+
+    def healthy(self) -> bool:
+        try:
+            return httpx.get(f"{self.api_url}/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def stop(self) -> None:
+        if self.process is not None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            self.process.wait(timeout=60)
+            self.process = None
+
+
+@pytest.fixture
+def own_server(tmp_path: Path) -> Iterator[OwnServer]:
+    home = tmp_path / "prefect"
+    home.mkdir()
+    server = OwnServer(home)
+    server.start()
+    yield server
+    server.stop()
+
+
+def run_cli(server: OwnServer, *args: str) -> subprocess.CompletedProcess[str]:
+    program = str(Path(sys.executable).parent / args[0])
+    return subprocess.run([program, *args[1:]], env=server.env, capture_output=True, text=True, timeout=240)
+
+
+def test_an_api_outage_at_the_end_of_a_run_is_billed_to_nobody(own_server, tmp_path):
+    job = write_job(tmp_path / "job", """
+        name: outage
+        work: {flow: flow.py:work, parameters: {seconds: 6}}
+        request: {gpus: 1, max_duration: 10m}
+        output: {to: ./out/}
+        """, flow=FLOW)
+    submitted = run_cli(own_server, "e31", "submit", str(job), "--pool", "outage")
+    assert submitted.returncode == 0, submitted.stderr
+    run_id = flow_run_id(submitted.stdout)
+    home = tmp_path / "host"
+    worker = Worker("outage", home, "1xH100", PREFECT_API_URL=own_server.api_url, PREFECT_HOME=str(own_server.home))
+    folder = RunFolder(home / "ledger" / str(run_id))
+    try:
+        record = until(lambda: (r := folder.record()) is not None and r.started and r, 120, "the work starting")
+        time.sleep(max(0.0, 4 - (datetime.now().astimezone() - datetime.fromisoformat(record.started))
+                       .total_seconds()))
+        own_server.stop()  # two seconds before the work ends: the engine cannot report it
+        final: Record = until(lambda: (r := folder.record()) is not None and r.finished and r, 120,
+                              "the work ending while the API is down")
+        holding = folder.holding()
+        time.sleep(20)
+        own_server.start()
+        until(lambda: not folder.path.exists(), 180, "the worker closing the run once the API is back")
+    finally:
+        worker.stop(timeout=30)
+    assert final.work_ended is not None, "the job never said its work was done"
+    true_end = work_end(datetime.fromisoformat(final.ended), datetime.fromisoformat(final.work_ended))
+    true_bill = (true_end - datetime.fromisoformat(holding.marks["rented"])).total_seconds()
+    assert 6 <= true_bill <= 9
+    with httpx.Client(base_url=own_server.api_url) as api:
+        run = api.get(f"/flow_runs/{run_id}").json()
+        artifacts = api.post("/artifacts/filter", json={"artifacts": {"flow_run_id": {"any_": [str(run_id)]}}}).json()
+    assert run["state"]["type"] == "COMPLETED", run["state"]
+    meter = next(json.loads(a["data"]) for a in artifacts if a["key"].startswith("e31-meter"))
+    billed = next(row["seconds"] for row in meter if row["step"] == "total billed")
+    assert abs(billed - true_bill) <= 1.0, (billed, true_bill)
+    assert (tmp_path / "job" / "out" / "done.txt").read_text() == "done"
