@@ -1,0 +1,457 @@
+"""The life of a job, step by step, without a Prefect server: every ending of every step.
+
+A fake worker stands for the E31Worker (its client answers from memory, its report records what
+it would tell Prefect); the inventory, ledger, staging and supervisor are the real ones, on
+temporary folders. Each test says what a user would see: the run's ending, what stays held,
+what the meter bills.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+from uuid import UUID, uuid4
+
+import anyio
+import httpx
+import pytest
+from prefect.exceptions import PrefectHTTPStatusError
+from prefect.states import Completed, Failed, Running
+
+from e31_prefect import endings
+from e31_prefect.inventory import Device, Inventory
+from e31_prefect.job import Job, JobError, parse_job
+from e31_prefect.ledger import Ledger, Record, Spec
+from e31_prefect.life import Ends, JobLife, judge
+from e31_prefect.runtimes import Placement
+from e31_prefect.settings import E31Settings
+
+NOW = datetime.now(timezone.utc)
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"  # the worker's own loop
+
+
+class FakeClient:
+    """Prefect's client as a life uses it, answering from memory."""
+
+    def __init__(self, quota: str = "free"):
+        self.state: Any = Running()
+        self.states: list[Any] = []
+        self.quota = quota  # free | full | never
+        self.leases: dict[UUID, int] = {}
+        self.released: list[UUID] = []
+
+    async def read_flow_run(self, flow_run_id: UUID) -> Any:
+        return SimpleNamespace(id=flow_run_id, state=self.state, tags=[])
+
+    async def set_flow_run_state(self, flow_run_id: UUID, state: Any, force: bool = False) -> Any:
+        self.state = state
+        self.states.append(state)
+
+    async def increment_concurrency_slots_with_lease(self, names, slots, mode, lease_duration, holder) -> Any:
+        if self.quota != "free":
+            code = 423 if self.quota == "full" else 422
+            request = httpx.Request("POST", "http://prefect/leases")
+            raise PrefectHTTPStatusError(f"{code}", request=request, response=httpx.Response(code, request=request))
+        lease = uuid4()
+        self.leases[lease] = slots
+        return httpx.Response(200, json={"lease_id": str(lease)})
+
+    async def renew_concurrency_lease(self, lease_id: UUID, lease_duration: float) -> None:
+        return None
+
+    async def release_concurrency_slots_with_lease(self, lease_id: UUID) -> None:
+        self.released.append(lease_id)
+        self.leases.pop(lease_id, None)
+
+    async def create_artifact(self, artifact: Any) -> None:
+        return None
+
+
+class FakeReport:
+    """What a life tells Prefect, recorded."""
+
+    def __init__(self, client: FakeClient, fail_closing: bool = False):
+        self.client = client
+        self.steps: list[str] = []
+        self.closed: list[tuple[Any, str | None, str | None]] = []
+        self.fail_closing = fail_closing
+
+    def step(self, step: str, held: Any = (), **payload: Any) -> None:
+        self.steps.append(step)
+
+    async def end(self, ending: endings.Ending) -> None:
+        await self.client.set_flow_run_state(UUID(int=0), ending)
+
+    async def close(self, meter: Any, job_name: str, outcome: str | None, outputs: str | None) -> None:
+        if self.fail_closing:
+            raise httpx.ConnectError("the Prefect API is down")
+        self.closed.append((meter, outcome, outputs))
+
+
+class FakeWorker:
+    """The parts of an E31Worker a life uses."""
+
+    name = "fake-worker"
+    _work_pool_name = "gpu"
+    _only_flow_run_ids = None
+
+    def __init__(self, tmp_path: Path, gpus: int = 2, quota: str = "free"):
+        self.settings = E31Settings(home=tmp_path / "e31", device_locks=tmp_path / "locks", stop_grace_seconds=1,
+                                    watch_seconds=0.2, cache_bytes=0)
+        self.inventory = Inventory([Device(i, "H100") for i in range(gpus)], self.settings.device_locks)
+        self.ledger = Ledger(self.settings.home / "ledger")
+        self.client = FakeClient(quota)
+        self.meters: dict[UUID, Any] = {}
+        self.holds_until: dict[UUID, datetime] = {}
+
+    def get_flow_run_logger(self, flow_run: Any) -> logging.Logger:
+        return logging.getLogger("e31.test")
+
+    def _event_related_resources(self, configuration: Any = None) -> list:
+        return []
+
+    def return_devices(self, flow_run_id: UUID) -> None:
+        self.inventory.give_back(flow_run_id)
+        self.holds_until.pop(flow_run_id, None)
+
+
+class FakeConfiguration:
+    """A run's job configuration: job variables that may or may not make a valid job."""
+
+    def __init__(self, job: dict[str, Any]):
+        self.raw = job
+        self.env: dict[str, str] = {}
+        self._job_name = job.get("name", "job")
+        self._job_folder = None
+
+    def job(self) -> Job:
+        return parse_job(self.raw)
+
+
+def job_dict(tmp_path: Path, **request: Any) -> dict[str, Any]:
+    return {"name": "train", "team": "vision", "work": {"command": ["true"]},
+            "request": {"gpus": 1, "max_duration": "1h", **request},
+            "output": {"to": f"file://{tmp_path}/sent/", "expect": []}}
+
+
+def life_for(tmp_path: Path, job: dict[str, Any] | None = None, **worker: Any) -> JobLife:
+    fake = FakeWorker(tmp_path, **worker)
+    flow_run = SimpleNamespace(id=uuid4(), name="brave-otter", expected_start_time=NOW, next_scheduled_start_time=None,
+                               created=NOW)
+    life = JobLife(fake, flow_run, FakeConfiguration(job or job_dict(tmp_path)))  # type: ignore[arg-type]
+    life.report = FakeReport(fake.client)  # type: ignore[assignment]
+    return life
+
+
+class CommandRuntime:
+    """A runtime whose work is a plain command, run by the real supervisor."""
+
+    name = "process"
+    died = endings.PROCESS_DIED
+
+    def __init__(self, code: str, problem: str | None = None):
+        self.code = code
+        self.problem = problem
+
+    async def check(self) -> str | None:
+        return self.problem
+
+    def spec(self, placement: Placement) -> Spec:
+        return placement.spec(self.name, argv=[sys.executable, "-c", self.code],
+                              env={"PATH": os.environ["PATH"], "OUT": str(placement.output_dir)},
+                              cwd=str(placement.workspace))
+
+    async def start(self, placement: Placement, supervisor: Any) -> None:
+        return None
+
+
+def ending_of(step) -> endings.Ending:
+    with pytest.raises(Ends) as ended:
+        step()
+    return ended.value.ending
+
+
+async def ending_of_async(step) -> endings.Ending:
+    with pytest.raises(Ends) as ended:
+        await step()
+    return ended.value.ending
+
+
+# -- admit ------------------------------------------------------------------------------------
+
+
+def test_admit_takes_a_valid_job_that_can_meet_its_deadline(tmp_path):
+    job = life_for(tmp_path).admit()
+    assert job.name == "train" and job.request.gpus == 1
+
+
+def test_admit_refuses_an_invalid_job_with_its_problems(tmp_path):
+    life = life_for(tmp_path, {"name": "train", "work": {"command": ["true"]}, "request": {"gpus": -1}})
+    ending = ending_of(life.admit)
+    assert ending.is_(endings.INVALID_JOB) and not ending.billed
+    assert ending.message == ("The job is not valid:\n"
+                              "request.gpus = -1: must be 0 or more; use gpus: 0 for a CPU-only job")
+
+
+def test_admit_refuses_a_run_past_its_latest_start(tmp_path):
+    life = life_for(tmp_path, job_dict(tmp_path, deadline=(NOW + timedelta(minutes=30)).isoformat()))
+    ending = ending_of(life.admit)
+    assert ending.is_(endings.DEADLINE_MISSED) and "No GPU was rented" in ending.message
+    assert life.report.steps == ["deadline-missed"]
+
+
+async def test_check_refuses_a_host_that_cannot_run_the_job(tmp_path):
+    life = life_for(tmp_path, job_dict(tmp_path) | {"work": {"command": ["true"], "image": "acme/x:1"}})
+    job = life.admit()
+    ending = await ending_of_async(lambda: life.check(job, CommandRuntime("", problem="no engine answers")))
+    assert ending.is_(endings.NO_CONTAINER_ENGINE) and "'acme/x:1'" in ending.message
+
+
+# -- stage ------------------------------------------------------------------------------------
+
+
+async def test_stage_copies_the_data_read_only_before_anything_is_rented(tmp_path):
+    (tmp_path / "train.csv").write_text("a,b\n1,2\n")
+    life = life_for(tmp_path, job_dict(tmp_path) | {"data": [{"from": f"file://{tmp_path}/train.csv"}]})
+    await life.stage(life.admit())
+    staged = life.workspace / "data" / "train.csv"
+    assert staged.read_text() == "a,b\n1,2\n" and not os.access(staged, os.W_OK) or os.geteuid() == 0
+    assert "staged" in life.meter.marks and "rented" not in life.meter.marks
+    assert life.worker.inventory.free() == life.worker.inventory.devices
+
+
+async def test_stage_fails_a_missing_input_before_renting(tmp_path):
+    life = life_for(tmp_path, job_dict(tmp_path) | {"data": [{"from": f"file://{tmp_path}/nothing.csv"}]})
+    job = life.admit()
+    ending = await ending_of_async(lambda: life.stage(job))
+    assert ending.is_(endings.STAGING_FAILED) and "nothing.csv" in ending.message and not ending.billed
+
+
+# -- rent -------------------------------------------------------------------------------------
+
+
+async def rent_and(life: JobLife, inside=None):
+    job = life.admit()
+    async with life.rent(job, CommandRuntime("")) as placement:
+        if inside:
+            await inside(placement)
+        return placement
+
+
+async def test_rent_holds_devices_and_slots_writes_the_ledger_and_gives_them_all_back(tmp_path):
+    life = life_for(tmp_path)
+    seen: dict[str, Any] = {}
+
+    async def inside(placement: Placement) -> None:
+        seen["free"] = life.worker.inventory.free()
+        seen["holding"] = life.folder.holding()
+        seen["leases"] = dict(life.worker.client.leases)
+
+    placement = await rent_and(life, inside)
+    assert placement.devices == [Device(0, "H100")] and placement.stop_at is not None
+    assert seen["free"] == [Device(1, "H100")]
+    assert seen["holding"].devices == [0] and seen["holding"].job["name"] == "train"
+    assert list(seen["leases"].values()) == [1]
+    assert life.worker.inventory.free() == life.worker.inventory.devices
+    assert life.worker.client.leases == {}, "the quota slots went back with the devices"
+    assert "rented" in life.meter.marks
+
+
+async def test_rent_hands_the_run_back_when_no_device_is_free(tmp_path):
+    life = life_for(tmp_path, job_dict(tmp_path, gpus=3))
+    ending = await ending_of_async(lambda: rent_and(life))
+    assert ending.handed_back and "No 3 free GPU(s)" in ending.message
+    assert life.folder.holding() is None and "rented" not in life.meter.marks
+
+
+async def test_rent_hands_the_run_back_for_later_when_its_quota_is_full(tmp_path):
+    life = life_for(tmp_path, quota="full")
+    ending = await ending_of_async(lambda: rent_and(life))
+    assert ending.handed_back and ending.retry_in_seconds == 15 and "Quota full" in ending.message
+    assert life.worker.inventory.free() == life.worker.inventory.devices, "the devices went back"
+
+
+async def test_rent_refuses_a_run_its_quota_can_never_hold(tmp_path):
+    life = life_for(tmp_path, quota="never")
+    ending = await ending_of_async(lambda: rent_and(life))
+    assert ending.is_(endings.OVER_QUOTA) and not ending.billed
+    assert life.worker.inventory.free() == life.worker.inventory.devices
+
+
+async def test_a_worker_stopping_while_rented_keeps_the_lease_for_the_adopter(tmp_path):
+    life = life_for(tmp_path)
+
+    async def stopped(placement: Placement) -> None:
+        raise anyio.get_cancelled_exc_class()()
+
+    with pytest.raises(anyio.get_cancelled_exc_class()):
+        await rent_and(life, stopped)
+    assert len(life.worker.client.leases) == 1 and life.worker.client.released == []
+    assert life.folder.holding() is not None, "the ledger keeps the run for the next worker"
+
+
+# -- run --------------------------------------------------------------------------------------
+
+
+async def run_work(life: JobLife, code: str) -> Record:
+    job = life.admit()
+    runtime = CommandRuntime(code)
+    async with life.rent(job, runtime) as placement:
+        (placement.output_dir).mkdir(parents=True, exist_ok=True)
+        supervisor = await life.start_work(placement, runtime)
+        async with life.watching(supervisor):
+            record = await supervisor.wait()
+    return record
+
+
+async def test_run_starts_the_work_under_its_supervisor_and_records_its_end(tmp_path):
+    life = life_for(tmp_path)
+    record = await run_work(life, "import os; open(os.environ['OUT'] + '/x.txt', 'w').write('x')")
+    assert record.ending == "exited" and record.exit_code == 0
+    assert (life.workspace / "output" / "x.txt").read_text() == "x"
+    assert life.infrastructure == record.infrastructure and "running" in life.meter.marks
+    assert life.worker.inventory.free() == life.worker.inventory.devices
+
+
+async def test_a_cancel_requested_in_prefect_stops_the_work(tmp_path):
+    life = life_for(tmp_path)
+    life.worker.client.state = SimpleNamespace(is_cancelling=lambda: True, is_final=lambda: False)
+    record = await run_work(life, "import time; time.sleep(600)")
+    assert record.ending == "stopped"
+
+
+# -- judge ------------------------------------------------------------------------------------
+
+JOB = parse_job({"name": "train", "work": {"command": ["true"]}, "request": {"max_duration": "1h", "memory": "2g"}})
+
+
+@pytest.mark.parametrize(("record", "flow_state", "expected"), [
+    (Record(ending="exited", exit_code=0), Completed(), None),
+    (Record(ending="exited", exit_code=1), Failed(), None),
+    (Record(ending="timed-out", stop_requested="2026-12-03T07:00:00+00:00"), Running(), endings.TIMED_OUT),
+    (Record(ending="stopped"), Running(), endings.CANCELLED),
+    (Record(ending="out-of-memory"), Running(), endings.OUT_OF_MEMORY),
+    (Record(ending="not-started", message="no such image"), None, endings.NOT_STARTED),
+    (Record(ending="exited", exit_code=-9), Running(), endings.PROCESS_DIED),
+    (Record(ending="exited", exit_code=0, work_ended="2026-12-03T07:00:00+00:00"), Running(),
+     endings.REPORTED_BY_WORKER),
+    (None, Running(), endings.PROCESS_DIED),
+    (Record(), Running(), endings.PROCESS_DIED),
+])
+def test_judge_names_every_way_the_work_can_end(record, flow_state, expected):
+    ending = judge(record, flow_state, endings.PROCESS_DIED, JOB)
+    if expected is None:
+        assert ending is None, "the flow's own final state stands"
+    else:
+        assert ending is not None and ending.is_(expected) and ending.message
+
+
+def test_judge_says_what_a_user_needs_to_act():
+    assert "request.memory = 2g" in judge(Record(ending="out-of-memory"), None, endings.PROCESS_DIED, JOB).message
+    died = judge(Record(ending="exited", exit_code=137), Running(), endings.CONTAINER_DIED, JOB)
+    assert died.is_(endings.CONTAINER_DIED) and "container died with exit code 137" in died.message
+    assert "no such image" in judge(Record(ending="not-started", message="no such image"), None,
+                                    endings.CONTAINER_DIED, JOB).message
+
+
+# -- send -------------------------------------------------------------------------------------
+
+
+async def sent(life: JobLife, files: dict[str, str], state: Any = None) -> endings.Ending | None:
+    job = life.admit()
+    async with life.rent(job, CommandRuntime("")):
+        pass
+    output = life.workspace / "output"
+    output.mkdir(parents=True, exist_ok=True)
+    for name, text in files.items():
+        (output / name).write_text(text)
+    life.worker.client.state = state or Completed()
+    return await life.send(job)
+
+
+async def test_send_puts_the_outputs_at_their_destination(tmp_path):
+    life = life_for(tmp_path)
+    assert await sent(life, {"model.json": "{}"}) is None
+    assert (tmp_path / "sent" / "model.json").read_text() == "{}"
+    assert "output" in life.meter.marks
+
+
+async def test_send_fails_a_completed_run_missing_an_expected_output(tmp_path):
+    life = life_for(tmp_path, job_dict(tmp_path) | {"output": {"to": f"file://{tmp_path}/sent/",
+                                                                "expect": ["model.json", "metrics.json"]}})
+    ending = await sent(life, {"model.json": "{}"})
+    assert ending.is_(endings.OUTPUT_MISSING) and "metrics.json" in ending.message
+    assert await sent(life_for(tmp_path, job_dict(tmp_path) | {"output": {
+        "to": f"file://{tmp_path}/sent2/", "expect": ["metrics.json"]}}), {}, Failed()) is None, \
+        "a run that failed on its own is not blamed for what it did not write"
+
+
+async def test_send_keeps_outputs_the_store_refuses_in_the_spool(tmp_path):
+    blocked = tmp_path / "blocked"
+    blocked.write_text("a file where the destination folder should be")
+    life = life_for(tmp_path, job_dict(tmp_path) | {"output": {"to": f"file://{blocked}/run/"}})
+    ending = await sent(life, {"model.json": "{}"})
+    assert ending.is_(endings.OUTPUT_NOT_SENT) and "e31 outputs retry" in ending.message
+    kept = life.worker.settings.spool / str(life.run_id) / "outputs" / "model.json"
+    assert kept.read_text() == "{}"
+
+
+# -- release ----------------------------------------------------------------------------------
+
+
+async def test_release_closes_the_meter_and_forgets_the_run(tmp_path):
+    life = life_for(tmp_path)
+    await run_work(life, "pass")
+    await life.release(None)
+    [(meter, outcome, _)] = life.report.closed
+    assert 0 < meter.billed_seconds < 30 and meter.gpus == 1 and outcome is None
+    assert not life.folder.path.exists() and not life.workspace.exists()
+
+
+async def test_a_run_handed_back_is_not_closed_and_leaves_nothing_behind(tmp_path):
+    life = life_for(tmp_path, job_dict(tmp_path, gpus=3))
+    life.workspace.mkdir(parents=True)
+    await life.release(endings.HANDED_BACK.saying("No room"))
+    assert life.report.closed == [] and not life.workspace.exists()
+
+
+async def test_a_meter_prefect_cannot_record_stays_in_the_ledger_for_the_next_worker(tmp_path, monkeypatch):
+    monkeypatch.setattr("e31_prefect.life.CLOSE_RETRY_SECONDS", (0, 0))
+    life = life_for(tmp_path)
+    life.report.fail_closing = True
+    await run_work(life, "pass")
+    await life.release(None)
+    holding = life.folder.holding()
+    assert holding is not None and "released" in holding.marks and life.folder.record().finished
+
+
+# -- the whole life ---------------------------------------------------------------------------
+
+
+async def test_a_whole_life_refused_at_admission_sets_its_state_and_bills_nothing(tmp_path):
+    life = life_for(tmp_path, {"name": "train", "work": {"command": ["true"]}, "request": {"max_duration": "nope"}})
+    ending = await life.live()
+    assert ending.is_(endings.INVALID_JOB)
+    assert life.worker.client.states[-1].is_(endings.INVALID_JOB)
+    [(meter, outcome, _)] = life.report.closed
+    assert meter.billed_seconds == 0 and outcome == "invalid-job"
+
+
+def test_every_ending_has_its_own_name_and_tag():
+    assert len({ending.tag for ending in endings.ALL}) == len(endings.ALL)
+    assert all(ending.billed is False for ending in endings.ALL if ending.state.value == "SCHEDULED")
+
+
+def test_invalid_job_error_type_is_a_job_error():
+    with pytest.raises(JobError):
+        FakeConfiguration({"name": "x"}).job()
