@@ -85,6 +85,8 @@ class Spec:
     pids_limit: int | None = None
     container_label: str | None = None  # label=value naming the run's container, if the worker never names it
     cgroups: bool = True  # False: the work's processes are found as the supervisor's descendants only
+    rented: str | None = None  # when the devices were rented: the meter's start, for the accounting line
+    accounting: str | None = None  # the host's accounting file, where the supervisor appends the run's line
 
 
 @dataclass
@@ -110,6 +112,16 @@ class Record:
     def finished(self) -> bool:
         """Whether the supervisor saw the work end (or never start)."""
         return self.ending is not None
+
+
+def append_line(path: Path, data: Any) -> None:
+    """Append one JSON line to ``path`` in a single write, durably (many writers may append at once)."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(fd, (json.dumps(data) + "\n").encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def write_json(path: Path, data: Any) -> None:

@@ -265,8 +265,8 @@ class JobLife:
                 self.worker.holds_until[self.run_id] = stop_at
             self._write_holding(job, runtime, stop_at)
             assert self.configuration is not None
-            yield Placement(str(self.run_id), job, devices, self.workspace, self.folder, stop_at, self.configuration,
-                            self.worker.settings)
+            yield Placement(str(self.run_id), job, devices, self.workspace, self.folder, stop_at,
+                            self.meter.marks["rented"], self.configuration, self.worker.settings)
         except anyio.get_cancelled_exc_class():
             self._detached = True  # the worker is stopping: the lease stays for the worker that adopts the run
             raise

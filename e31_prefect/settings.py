@@ -83,6 +83,11 @@ class E31Settings(BaseSettings):
         return self.home.expanduser() / "cache"
 
     @property
+    def accounting(self) -> Path:
+        """The host's accounting file: one JSON line per run, appended by its supervisor as the work ends."""
+        return self.home.expanduser() / "accounting.jsonl"
+
+    @property
     def spool(self) -> Path:
         """Outputs kept because their destination could not take them."""
         return self.home.expanduser() / "spool"

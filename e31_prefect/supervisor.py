@@ -32,13 +32,13 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Protocol
 
 from e31_prefect import cgroups
-from e31_prefect.ledger import Record, RunFolder, Spec, moment, now, this_process
+from e31_prefect.ledger import Record, RunFolder, Spec, append_line, moment, now, this_process
 
 PR_SET_CHILD_SUBREAPER = 36
 KILL_RETRY_SECONDS = 1.0
@@ -126,6 +126,7 @@ class ProcessWork:
 
     def kill(self) -> None:
         self.group.kill()
+        main = self.process.pid if self.process is not None else None
         for _ in range(100):  # without a cgroup, its processes are ours to find, reparented or not
             left = _descendants(os.getpid())
             if not left:
@@ -133,7 +134,7 @@ class ProcessWork:
             for pid in left:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(pid, signal.SIGKILL)
-            reap()
+            reap(but=None if self._exit else main)  # the main process's status is the run's exit code
             time.sleep(0.01)
 
     def clean_up(self) -> None:
@@ -398,6 +399,13 @@ class Supervisor:
         else:
             self.record.ending = "exited"
         self.save()
+        if self.spec.accounting:
+            # The host's own account of every run, written by the supervisor as the work ends, whatever
+            # becomes of the worker or the Prefect API (as Slurm's accounting keeps what slurmstepd saw).
+            with contextlib.suppress(OSError):
+                append_line(Path(self.spec.accounting), {"run_id": self.spec.run_id, "rented": self.spec.rented,
+                                                         "grace_seconds": self.spec.grace_seconds,
+                                                         **asdict(self.record)})
 
 
 def _open_pipe(path: Path) -> int:

@@ -38,6 +38,7 @@ class Placement:
     workspace: Path
     folder: RunFolder
     stop_at: datetime | None
+    rented: datetime
     configuration: Any  # the run's E31JobConfiguration: Prefect's environment and labels, the job's folder
     settings: E31Settings
 
@@ -58,7 +59,8 @@ class Placement:
                     grace_seconds=self.settings.stop_grace_seconds,
                     report_grace_seconds=self.settings.report_grace_seconds,
                     memory_bytes=self.job.request.memory_bytes, pids_limit=DEFAULT_PIDS_LIMIT,
-                    cgroups=self.settings.cgroups, **fields)
+                    cgroups=self.settings.cgroups, rented=self.rented.isoformat(),
+                    accounting=str(self.settings.accounting), **fields)
 
 
 class Runtime(Protocol):
