@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from overhead import free_port  # noqa: E402
 
 from e31_prefect.ledger import process_running  # noqa: E402
+from e31_prefect.local_server import DURABLE_LEASES  # noqa: E402
 from e31_prefect.meter import work_end  # noqa: E402
 
 FLOW = '''
@@ -111,14 +112,19 @@ class Switch:
 
 
 class Server:
-    """The Prefect server, on one port and one database across a restart."""
+    """The Prefect server, on one port and one database across a restart (PostgreSQL, or SQLite)."""
 
-    def __init__(self, home: Path):
+    def __init__(self, home: Path, database: str):
         self.port = free_port()
         self.home = home
         self.url = f"http://127.0.0.1:{self.port}/api"
         os.environ.update(PREFECT_API_URL=self.url, PREFECT_HOME=str(home / "prefect"),
-                          PREFECT_SERVER_ANALYTICS_ENABLED="false")
+                          PREFECT_SERVER_ANALYTICS_ENABLED="false", **DURABLE_LEASES)
+        if database == "postgres":
+            # Prefect past one machine: many workers share the server (scripts/postgres.sh).
+            printed = subprocess.run([str(Path(__file__).parents[1] / "scripts" / "postgres.sh"),
+                                      f"e31_chaos_{self.port}"], capture_output=True, text=True, check=True).stdout
+            os.environ["PREFECT_API_DATABASE_CONNECTION_URL"] = printed.strip().split("=", 1)[1]
         self.process: subprocess.Popen | None = None
 
     def start(self) -> None:
@@ -155,12 +161,19 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=200)
     parser.add_argument("--gpus", type=int, default=4, help="GPUs of the one host the three workers share")
     parser.add_argument("--seed", type=int, default=31)
+    parser.add_argument("--window", type=float, default=600, help="seconds after the chaos for every run to end")
+    parser.add_argument("--database", choices=["postgres", "sqlite"], default="postgres",
+                        help="the Prefect server's database (postgres: scripts/postgres.sh)")
     args = parser.parse_args()
     rng = random.Random(args.seed)
     home = Path(tempfile.mkdtemp(prefix="e31-chaos-"))
     print(f"working in {home}", flush=True)
 
+    import logging
+
     from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's request log
 
     moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     moto.start()
@@ -173,7 +186,7 @@ def main() -> None:
                           aws_access_key_id="chaos", aws_secret_access_key="chaos", region_name="us-east-1")
     bucket.create_bucket(Bucket="chaos")
 
-    server = Server(home)
+    server = Server(home, args.database)
     server.start()
     e31_home = home / "host"
     env = {**os.environ, **s3, "E31_HOME": str(e31_home), "E31_DEVICE_LOCKS": str(home / "locks"),
@@ -195,19 +208,24 @@ def main() -> None:
                                           "--name", f"chaos-{name}"], env=env, stdout=log, stderr=subprocess.STDOUT)
 
     print(f"submitting {args.jobs} jobs ...", flush=True)
+    submitting = time.monotonic()
+    (folder / "chaos.yaml").write_text(
+        "name: chaos\nwork: {flow: flow.py:chaos, parameters: {seconds: 1, daemon: false, extra_kib: 0}}\n"
+        "request: {gpus: 1, max_duration: 2m}\noutput: {to: 's3://chaos/{flow_run.id}/'}\n")
+    first = subprocess.run([bin_dir / "e31", "submit", str(folder / "chaos.yaml"), "--pool", pool], env=env,
+                           capture_output=True, text=True, check=True)
+    from prefect import get_client
+
     runs: dict[str, dict] = {}
-    for index in range(args.jobs):
-        seconds = round(rng.uniform(0.5, 4.0), 2)
-        daemon, extra = rng.random() < 0.25, rng.choice([0, 0, 64, 1024])
-        job = folder / f"job-{index}.yaml"
-        job.write_text(f"name: chaos-{index}\nwork: {{flow: flow.py:chaos, parameters: {{seconds: {seconds}, "
-                       f"daemon: {str(daemon).lower()}, extra_kib: {extra}}}}}\n"
-                       f"request: {{gpus: 1, max_duration: 2m}}\n"
-                       f"output: {{to: 's3://chaos/{{flow_run.id}}/'}}\n")
-        submitted = subprocess.run([bin_dir / "e31", "submit", str(job), "--pool", pool], env=env,
-                                   capture_output=True, text=True, check=True)
-        run_id = submitted.stdout.split("(", 1)[1].split(")", 1)[0]
-        runs[run_id] = {"seconds": seconds, "daemon": daemon}
+    with get_client(sync_client=True) as client:
+        deployment = client.read_flow_run(first.stdout.split("(", 1)[1].split(")", 1)[0]).deployment_id
+        client.delete_flow_run(first.stdout.split("(", 1)[1].split(")", 1)[0])
+        for _ in range(args.jobs):  # one deployment, a run per job with its own parameters, as Prefect users do
+            parameters = {"seconds": round(rng.uniform(0.5, 4.0), 2), "daemon": rng.random() < 0.25,
+                          "extra_kib": rng.choice([0, 0, 64, 1024])}
+            run = client.create_flow_run_from_deployment(deployment, parameters=parameters)
+            runs[str(run.id)] = parameters
+    print(f"  submitted in {time.monotonic() - submitting:.0f} s", flush=True)
     for name in ("a", "b", "c"):
         start_worker(name)
     started = time.monotonic()
@@ -245,7 +263,6 @@ def main() -> None:
     print("S3 back", flush=True)
     chaos_over = time.monotonic()
 
-    from prefect import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 
     def closed(run) -> bool:
@@ -253,7 +270,7 @@ def main() -> None:
 
     pending = set(runs)
     with get_client(sync_client=True) as client:
-        while pending and time.monotonic() - chaos_over < 600:
+        while pending and time.monotonic() - chaos_over < args.window:
             for run_id in list(pending):
                 if closed(client.read_flow_run(run_id)):
                     pending.discard(run_id)
@@ -321,7 +338,7 @@ def main() -> None:
     print(f"runs sent to the spool and retried: {len(kept)}")
     if off:
         print(f"largest difference between Prefect's meter and the supervisor's accounting: {off[-1][0]:.3f} s")
-    print(f"\nruns not terminal after 10 minutes:   {len(pending)}")
+    print(f"\nruns not terminal {args.window:.0f} s after the chaos: {len(pending)}")
     print(f"outputs lost:                         {lost}")
     print(f"GPUs rented twice:                    {twice}")
     print(f"concurrency slots leaked:             {slots}")

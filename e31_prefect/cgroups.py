@@ -98,7 +98,7 @@ class RunGroup:
             if v2 is not None:
                 enabled = _enable_v2_controllers(mounts.v2, [c for c, on in wanted.items() if on])
                 for controller in enabled:
-                    limits[controller] = _apply_v2(v2, controller, memory_bytes, pids_limit, why)
+                    limits[controller] = _apply(v2, "v2", controller, memory_bytes, pids_limit, why)
         v1: dict[str, Path] = {}
         for controller, mount in mounts.v1.items():
             if limits[controller] or not wanted[controller] and v2 is not None:
@@ -108,7 +108,7 @@ class RunGroup:
                 continue
             v1[controller] = made
             if wanted[controller]:
-                limits[controller] = _apply_v1(made, controller, memory_bytes, pids_limit, why)
+                limits[controller] = _apply(made, "v1", controller, memory_bytes, pids_limit, why)
         for controller, on in wanted.items():
             if on and not limits[controller]:
                 why.append(f"this host gives e31 no cgroup {controller} controller: the {controller} limit "
@@ -224,34 +224,30 @@ def _enable_v2_controllers(mount: Path, controllers: list[str]) -> list[str]:
     return enabled
 
 
-def _apply_v2(path: Path, controller: str, memory_bytes: int | None, pids_limit: int | None,
-              why: list[str]) -> bool:
+# Per cgroup version and controller: the limit's file, and the file that keeps swap out of it with
+# what to write there (v2 counts swap apart, v1 counts memory and swap together).
+_LIMIT_FILES = {
+    ("v2", "memory"): ("memory.max", "memory.swap.max", lambda limit: "0"),
+    ("v1", "memory"): ("memory.limit_in_bytes", "memory.memsw.limit_in_bytes", str),
+    ("v2", "pids"): ("pids.max", None, None),
+    ("v1", "pids"): ("pids.max", None, None),
+}
+
+
+def _apply(path: Path, version: str, controller: str, memory_bytes: int | None, pids_limit: int | None,
+           why: list[str]) -> bool:
+    """Write the run's limit for one controller; False (and why) where the host refuses it."""
+    limit = memory_bytes if controller == "memory" else pids_limit
+    limit_file, swap_file, swap_value = _LIMIT_FILES[(version, controller)]
     try:
-        if controller == "memory":
-            _write(path / "memory.max", str(memory_bytes))
-            with contextlib.suppress(OSError):
-                _write(path / "memory.swap.max", "0")
-        else:
-            _write(path / "pids.max", str(pids_limit))
-        return True
+        _write(path / limit_file, str(limit))
     except OSError as exc:
         why.append(f"cannot set the {controller} limit: {exc.strerror or exc}")
         return False
-
-
-def _apply_v1(path: Path, controller: str, memory_bytes: int | None, pids_limit: int | None,
-              why: list[str]) -> bool:
-    try:
-        if controller == "memory":
-            _write(path / "memory.limit_in_bytes", str(memory_bytes))
-            with contextlib.suppress(OSError):  # no swap beyond the limit, where swap accounting is on
-                _write(path / "memory.memsw.limit_in_bytes", str(memory_bytes))
-        else:
-            _write(path / "pids.max", str(pids_limit))
-        return True
-    except OSError as exc:
-        why.append(f"cannot set the {controller} limit: {exc.strerror or exc}")
-        return False
+    if swap_file is not None:
+        with contextlib.suppress(OSError):  # no swap accounting on this host: the limit holds without it
+            _write(path / swap_file, swap_value(limit))
+    return True
 
 
 def _read(path: Path) -> str:

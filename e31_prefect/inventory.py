@@ -15,7 +15,6 @@ never leaves a device rented.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import re
 import threading
@@ -23,6 +22,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from uuid import UUID
+
+from e31_prefect.filelocks import try_lock
 
 _REPEAT = re.compile(r"^(\d+)\s*[xX]\s*(\S.*)$")
 
@@ -117,32 +118,20 @@ def pick_devices(free: Sequence[Device], gpus: int, gpu_type: str | None) -> lis
 
 
 class HostLocks:
-    """One lock file per device index in a folder every e31 process on the host shares.
-
-    flock, not a lock library: the lock must pass to a run's supervisor as an open file (so it
-    outlives the worker) and be released by the kernel when its last holder dies.
-    """
+    """One lock file per device index in a folder every e31 process on the host shares."""
 
     def __init__(self, root: Path):
         self.root = root
 
-    def _open(self, device: Device) -> int:
+    def take(self, device: Device) -> int | None:
+        """An open file holding the device's lock, or None when another holder has it."""
         self.root.mkdir(parents=True, exist_ok=True)
         with contextlib.suppress(PermissionError):  # another user made it: it is theirs to open up
             self.root.chmod(0o1777)  # every user's workers share it, as /tmp is shared
-        fd = os.open(self.root / f"gpu-{device.index}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
-        with contextlib.suppress(PermissionError):
-            os.fchmod(fd, 0o666)
-        return fd
-
-    def take(self, device: Device) -> int | None:
-        """An open file holding the device's lock, or None when another holder has it."""
-        fd = self._open(device)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            return None
+        path = self.root / f"gpu-{device.index}.lock"
+        fd = try_lock(path, 0o666)
+        with contextlib.suppress(PermissionError, FileNotFoundError):
+            path.chmod(0o666)  # whatever the creator's umask
         return fd
 
     def held_elsewhere(self, device: Device) -> bool:

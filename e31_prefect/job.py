@@ -90,16 +90,22 @@ def _cross(problems: list[Problem]) -> PydanticCustomError:
     return PydanticCustomError("e31_cross", "{summary}", {"summary": summary, "problems": problems})
 
 
-_MEMORY = re.compile(r"^(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?$", re.IGNORECASE)
+_SIZE = re.compile(r"^(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?$", re.IGNORECASE)
+SIZE_HINT = "write bytes or a size such as 512m, 16g or 2Gi"
+
+
+def parse_bytes(value: str | int) -> int:
+    """Bytes in ``1048576``, ``512m``, ``16g``, ``2Gi``, ``1.5g`` (powers of 1024, as Docker reads them)."""
+    match = _SIZE.match(str(value).strip())
+    if not match:
+        raise ValueError(f"is not a size; {SIZE_HINT}")
+    number, unit = match.groups()
+    return int(float(number) * 1024 ** " kmgt".index(unit.lower() or " "))
 
 
 def parse_memory(value: str | int) -> int:
-    """Bytes in ``512m``, ``16g``, ``2Gi``, ``1.5g`` or a plain number of bytes (at least 6 MiB)."""
-    match = _MEMORY.match(str(value).strip())
-    if not match:
-        raise ValueError("is not a memory size; write bytes or a size such as 512m, 16g or 2Gi")
-    number, unit, _ = match.groups()
-    size = int(float(number) * 1024 ** " kmgt".index(unit.lower() or " "))
+    """A memory limit in bytes (at least the 6 MiB a container needs)."""
+    size = parse_bytes(value)
     if size < 6 * 1024 * 1024:
         raise ValueError("is below the 6 MiB a container needs; write e.g. 512m")
     return size

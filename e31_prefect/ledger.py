@@ -19,7 +19,6 @@ and writes these files too.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import shutil
@@ -27,6 +26,8 @@ from dataclasses import asdict, dataclass, field, fields
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, TypeVar
+
+from e31_prefect.filelocks import try_lock
 
 T = TypeVar("T")
 
@@ -180,13 +181,7 @@ class RunFolder:
         run is then an orphan for another worker on the host to adopt.
         """
         self.path.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path / "owner.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            return None
-        return fd
+        return try_lock(self.path / "owner.lock")
 
     def holding(self) -> Holding | None:
         """The worker's entry."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from datetime import datetime, timedelta
@@ -27,6 +28,7 @@ from uuid import UUID
 
 import anyio
 import anyio.abc
+import httpx
 from prefect.client.schemas.objects import FlowRun, State
 from prefect.exceptions import ObjectNotFound
 
@@ -96,6 +98,13 @@ def judge(record: Record | None, flow_state: State | None, died: Ending, job: Jo
                        "were kept.")
 
 
+def transient(exc: BaseException) -> bool:
+    """Whether a failure is the Prefect API's, likely gone on a later try (unreachable, 5xx)."""
+    if isinstance(exc, httpx.HTTPStatusError):
+        return exc.response.status_code >= 500
+    return isinstance(exc, httpx.TransportError)
+
+
 def meter_from(holding: Holding, record: Record | None, grace_seconds: float) -> Meter:
     """The run's meter: the worker's marks, and the work's own start and true end from its supervisor."""
     meter = Meter(gpus=holding.gpus, team=holding.team, devices=list(holding.devices))
@@ -153,12 +162,25 @@ class JobLife:
         except Exception as exc:
             if isinstance(exc, Ends):
                 ending = exc.ending
+            elif transient(exc) and self.holding is not None and self.infrastructure is not None:
+                # The work ran; only Prefect did not answer. The ledger keeps the run, and this host's
+                # next sweep for runs no worker owns (every heartbeat) finishes its life.
+                self.log.warning("The Prefect API failed (%s: %s); this run is finished from the ledger later",
+                                 type(exc).__name__, exc)
+                self._let_go()
+                return None
+            elif transient(exc):
+                ending = endings.HANDED_BACK.saying(f"The Prefect API failed ({type(exc).__name__}: {exc}); "
+                                                    "rescheduled.", QUOTA_RETRY.total_seconds())
             else:
                 self.log.exception("The e31 worker failed while living this job")
                 ending = endings.WORKER_FAILED.saying(f"The e31 worker failed: {type(exc).__name__}: {exc}")
             self._signal_started(RuntimeError(ending.message))
             with anyio.CancelScope(shield=True):
-                await self._set_state(ending)
+                try:
+                    await self._set_state(ending)
+                except Exception as unset:
+                    self.log.error("The run's state could not be set to %s: %s", ending.name, unset)
         self._signal_started(RuntimeError("The run ended before it started."))
         with anyio.CancelScope(shield=True):
             await self.release(ending)
@@ -339,13 +361,21 @@ class JobLife:
 
     @asynccontextmanager
     async def watching(self, supervisor: Supervisor) -> AsyncIterator[None]:
-        """While the work runs: stop it when the run is cancelled, and keep the quota lease renewed."""
+        """While the work runs: stop it when the run is cancelled, and keep the quota lease renewed.
+
+        A worker run by ``e31 run`` also shows the work's output as it comes.
+        """
+        echo = OutputEcho(self.folder.output_log) if self.worker._only_flow_run_ids is not None else None
         async with anyio.create_task_group() as watchers:
             watchers.start_soon(self._watch, supervisor)
+            if echo is not None:
+                watchers.start_soon(echo.follow)
             try:
                 yield
             finally:
                 watchers.cancel_scope.cancel()
+                if echo is not None:
+                    echo.flush()
 
     async def _watch(self, supervisor: Supervisor) -> None:
         renewed: datetime | None = now() if self.lease is not None and self.infrastructure else None
@@ -471,6 +501,12 @@ class JobLife:
                          billed_gpu_seconds=round(self.meter.billed_gpu_seconds, 3), gpus=self.meter.gpus)
         self._forget()
 
+    def _let_go(self) -> None:
+        """Give up the run's owner lock, leaving its ledger folder for a worker's sweep to adopt."""
+        if self._owner is not None:
+            os.close(self._owner)
+            self._owner = None
+
     def _forget(self) -> None:
         """The run is done here: its ledger folder, owner lock and workspace go."""
         self.worker.ledger.forget(str(self.run_id))
@@ -560,6 +596,33 @@ class JobLife:
         if "output" in self.meter.marks:
             return None
         return await self.after_work(job, record, died)
+
+
+class OutputEcho:
+    """The work's output (its supervisor writes it to a file) copied to this process's output as it grows."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.offset = 0
+
+    def flush(self) -> None:
+        """Copy what was written since the last time."""
+        try:
+            with open(self.path, "rb") as log:
+                log.seek(self.offset)
+                data = log.read()
+        except OSError:
+            return
+        self.offset += len(data)
+        if data:
+            sys.stdout.write(data.decode(errors="replace"))
+            sys.stdout.flush()
+
+    async def follow(self) -> None:
+        """Flush every fraction of a second, until cancelled."""
+        while True:
+            self.flush()
+            await anyio.sleep(0.2)
 
 
 def _stop_leftovers(folder: RunFolder) -> None:

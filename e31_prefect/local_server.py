@@ -43,6 +43,11 @@ def configured_api_url() -> str | None:
     return PREFECT_API_URL.value() or None
 
 
+# Quota leases on disk, not in the server's memory: a restarted server still knows which slots are
+# held, and frees those whose lease ran out (in memory, a restart would keep them held for ever).
+DURABLE_LEASES = {"PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE": "prefect.server.concurrency.lease_storage.filesystem"}
+
+
 def _files() -> tuple[Path, Path]:
     home = E31Settings().home.expanduser()
     home.mkdir(parents=True, exist_ok=True)
@@ -61,6 +66,7 @@ def ensure_local_server(say: Callable[[str], None] = print) -> str:
         process = subprocess.Popen(
             [sys.executable, "-m", "prefect", "server", "start", "--host", LOCAL_HOST, "--port", str(LOCAL_PORT)],
             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, **DURABLE_LEASES},
         )
     pid_file.write_text(str(process.pid))
     deadline = time.monotonic() + START_TIMEOUT_SECONDS

@@ -5,22 +5,12 @@
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-_SIZE = re.compile(r"^(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?$", re.IGNORECASE)
-
-
-def parse_bytes(text: str) -> int:
-    """Bytes in ``1048576``, ``512m``, ``200g``, ``2Ti`` (powers of 1024)."""
-    match = _SIZE.match(text.strip())
-    if not match:
-        raise ValueError(f"{text!r} is not a size; write bytes or a size such as 512m, 200g or 2Ti")
-    number, unit = match.groups()
-    return int(float(number) * 1024 ** " kmgt".index(unit.lower() or " "))
+from e31_prefect.job import SIZE_HINT, parse_bytes
 
 
 class E31Settings(BaseSettings):
@@ -70,7 +60,12 @@ class E31Settings(BaseSettings):
     @field_validator("cache_bytes", mode="before")
     @classmethod
     def _size(cls, value: object) -> object:
-        return parse_bytes(value) if isinstance(value, str) else value
+        if isinstance(value, str):
+            try:
+                return parse_bytes(value)
+            except ValueError:
+                raise ValueError(f"{value!r} is not a size; {SIZE_HINT}") from None
+        return value
 
     @property
     def workspaces(self) -> Path:

@@ -193,6 +193,7 @@ class E31Worker(DockerWorker):
         # `e31 run` drives a worker for its own run only; `prefect worker start` takes the whole pool.
         self._only_flow_run_ids = only_flow_run_ids
         self._stopping = False
+        self._serving = False  # a pool's worker (`prefect worker start`), which adopts what dead workers left
 
     # -- starting and stopping --------------------------------------------------------------------
 
@@ -214,6 +215,7 @@ class E31Worker(DockerWorker):
             if main is not None:
                 main.cancel()
 
+        self._serving = True
         installed = []
         for sig in signals:
             with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):  # not the main thread
@@ -243,8 +245,11 @@ class E31Worker(DockerWorker):
         self.adopt_orphans()  # a worker sharing this host's ledger may have died since
 
     def adopt_orphans(self) -> list[str]:
-        """Adopt every run in this host's ledger that no live worker owns; returns their ids."""
-        if self._runs_task_group is None or self._stopping:
+        """Adopt every run in this host's ledger that no live worker owns; returns their ids.
+
+        Only a pool's worker adopts: ``e31 run`` and an ``@e31`` call live their own run and return.
+        """
+        if self._runs_task_group is None or self._stopping or not self._serving:
             return []
         adopted = []
         for folder, owner in self.ledger.claim_orphans():
@@ -371,6 +376,14 @@ class E31Worker(DockerWorker):
         # another worker won: the devices reserved for it go back too.
         self.return_devices(flow_run_id)
         super()._release_limit_slot(flow_run_id)
+
+    async def _give_worker_labels_to_flow_run(self, flow_run_id: UUID) -> None:
+        # Labels only name this worker on the run: a Prefect API too busy to set them now must not
+        # fail the run before it starts (Prefect's own worker reports it crashed).
+        try:
+            await super()._give_worker_labels_to_flow_run(flow_run_id)
+        except Exception as exc:
+            self._logger.warning("Could not label flow run %s with this worker: %s", flow_run_id, exc)
 
     def return_devices(self, flow_run_id: UUID) -> None:
         """The run's devices go back to this host's pool (idempotent)."""
