@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 from prefect.settings import PREFECT_API_URL
 
-from e31_prefect.settings import E31Settings
+from e31_prefect.settings import DURABLE_LEASES, E31Settings
 
 LOCAL_HOST = "127.0.0.1"
 LOCAL_PORT = 4200
@@ -41,11 +41,6 @@ def healthy(api_url: str) -> bool:
 def configured_api_url() -> str | None:
     """The API URL from Prefect's settings (environment or profile), if any."""
     return PREFECT_API_URL.value() or None
-
-
-# Quota leases on disk, not in the server's memory: a restarted server still knows which slots are
-# held, and frees those whose lease ran out (in memory, a restart would keep them held for ever).
-DURABLE_LEASES = {"PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE": "prefect.server.concurrency.lease_storage.filesystem"}
 
 
 def _files() -> tuple[Path, Path]:

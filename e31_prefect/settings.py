@@ -12,6 +12,11 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from e31_prefect.job import SIZE_HINT, parse_bytes
 
+# A Prefect server's setting e31 relies on: quota leases on disk, not in the server's memory, so a
+# restarted server still knows which slots are held and frees those whose lease ran out (leases in
+# memory die with the server and leave their slots held for ever).
+DURABLE_LEASES = {"PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE": "prefect.server.concurrency.lease_storage.filesystem"}
+
 
 class E31Settings(BaseSettings):
     """Where e31 keeps its files on a host and how it treats the runs it starts."""
