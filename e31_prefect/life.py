@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import sys
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -96,6 +97,25 @@ def judge(record: Record | None, flow_state: State | None, died: Ending, job: Jo
     return died.saying(f"The run's {died.name.removesuffix('Died').lower()} died with exit code "
                        f"{record.exit_code} before the flow reported a final state; outputs written so far "
                        "were kept.")
+
+
+def infrastructure_id(flow_run_id: UUID | str) -> str:
+    """How e31 names a run's infrastructure to Prefect (``infrastructure_pid``): its host and flow run.
+
+    The run's supervisor is found from these, whatever the runtime, by the worker's kill_infrastructure.
+    """
+    return f"e31:{socket.gethostname()}:{flow_run_id}"
+
+
+def parse_infrastructure_id(text: str) -> tuple[str, str]:
+    """The host and flow run id in an :func:`infrastructure_id`; InfrastructureNotFound for anything else."""
+    from prefect.exceptions import InfrastructureNotFound
+
+    kind, _, rest = text.partition(":")
+    host, _, run_id = rest.rpartition(":")
+    if kind != "e31" or not host or not run_id:
+        raise InfrastructureNotFound(f"{text!r} is not an e31 run's infrastructure id (e31:HOST:FLOW_RUN_ID)")
+    return host, run_id
 
 
 def transient(exc: BaseException) -> bool:
@@ -357,7 +377,7 @@ class JobLife:
         for note in record.notes:
             self.log.warning("Supervisor: %s", note)
         self.report.step("running", self.devices, infrastructure=str(record.infrastructure))
-        self._signal_started(str(record.infrastructure))
+        self._signal_started(infrastructure_id(self.run_id))
 
     @asynccontextmanager
     async def watching(self, supervisor: Supervisor) -> AsyncIterator[None]:

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import bisect
 import heapq
-import itertools
 import math
+from collections import Counter
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
@@ -50,6 +50,8 @@ class WaitingRun:
     priority: int = 0
     # How long it may hold its devices (its time limit, else its expected duration); None: unknown.
     duration: timedelta | None = None
+    # Its Prefect work queue's priority: 1 is the most important queue, as in Prefect.
+    queue_priority: int = 0
 
 
 @dataclass(frozen=True)
@@ -71,8 +73,9 @@ class Decision:
 
 
 def urgency(run: WaitingRun) -> tuple:
-    """Sort key: earliest latest start (no deadline last), then higher priority, then scheduled time."""
-    return (run.latest_start or _NO_DEADLINE, -run.priority, run.scheduled)
+    """Sort key: its work queue's priority (Prefect's order of queues), then earliest latest start (no
+    deadline last), then higher ``request.priority``, then scheduled time."""
+    return (run.queue_priority, run.latest_start or _NO_DEADLINE, -run.priority, run.scheduled)
 
 
 class WaitingQueue:
@@ -87,6 +90,7 @@ class WaitingQueue:
         self._runs: list[WaitingRun] = []
         self._gpuless: dict[Hashable, WaitingRun] = {}
         self._by_id: dict[Hashable, WaitingRun] = {}
+        self._queues: Counter[int] = Counter()  # how many ordered runs each work-queue priority has
         self._added = 0
         self.sync(runs)
 
@@ -109,6 +113,7 @@ class WaitingQueue:
             self._gpuless[run.id] = run
             return None
         self._added += 1
+        self._queues[run.queue_priority] += 1
         return (*self.order(run), self._added)  # the count keeps equal keys in arrival order
 
     def discard(self, run_id: Hashable) -> None:
@@ -120,6 +125,9 @@ class WaitingQueue:
         while self._runs[at].id != run_id:
             at += 1
         del self._keys[at], self._runs[at]
+        self._queues[run.queue_priority] -= 1
+        if not self._queues[run.queue_priority]:
+            del self._queues[run.queue_priority]
 
     def sync(self, runs: Iterable[WaitingRun]) -> None:
         """Make the queue hold exactly ``runs``: new ones are placed, vanished ones dropped."""
@@ -140,11 +148,15 @@ class WaitingQueue:
             for run in new:
                 self.add(run)
 
-    def overdue(self, now: datetime) -> int:
-        """How many of the leading runs are past their latest start (in urgency order they lead)."""
+    def overdue(self, now: datetime) -> list[WaitingRun]:
+        """The runs past their latest start: in urgency order they lead each work queue's runs."""
         if self.order is not urgency:
             raise ValueError("only a queue in urgency order keeps its overdue runs in front")
-        return bisect.bisect_left(self._keys, (now,))
+        late: list[WaitingRun] = []
+        for queue in sorted(self._queues):
+            first = bisect.bisect_left(self._keys, (queue,))
+            late += self._runs[first:bisect.bisect_left(self._keys, (queue, now))]
+        return late
 
     @property
     def gpuless(self) -> list[WaitingRun]:
@@ -253,11 +265,14 @@ def decide(
         (decision.missed.append(run) if late else decision.start.append((run, [])))
     models = _models(free, busy, now)
     idle = sum(len(model.idle) for model in models)
-    runs = iter(queue)
+    late: set[Hashable] = set()
     if refuse_missed and queue.order is urgency:
-        decision.missed.extend(itertools.islice(runs, queue.overdue(now)))
+        decision.missed.extend(queue.overdue(now))  # found by bisection, so the loop below may stop early
+        late = {run.id for run in decision.missed}
     reservations = 0
-    for run in runs:
+    for run in queue:
+        if run.id in late:
+            continue
         if refuse_missed and run.latest_start is not None and run.latest_start < now:
             decision.missed.append(run)
             continue

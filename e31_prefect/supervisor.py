@@ -35,7 +35,7 @@ import time
 from dataclasses import asdict, dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from e31_prefect import cgroups
 from e31_prefect.ledger import Record, RunFolder, Spec, append_line, moment, now, this_process
@@ -156,12 +156,14 @@ class ContainerWork:
     container that will not stop never bills past its limit and grace.
     """
 
-    def __init__(self, spec: Spec, names: list[str]):
-        import docker
+    def __init__(self, spec: Spec, names: list[str], client: Any = None):
+        if client is None:
+            import docker
 
+            client = docker.from_env(timeout=30)
         self.spec = spec
-        self.client = docker.from_env(timeout=30)
-        self.api = self.client.api
+        self.client = client
+        self.api = client.api
         self.id: str | None = next(iter(names), None)
         self._read, self._write = os.pipe()
         self._exit: Exit | None = None

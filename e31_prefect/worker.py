@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import socket
 from datetime import datetime, timezone
 from pathlib import Path
 from types import SimpleNamespace
@@ -27,7 +28,7 @@ import anyio
 import anyio.abc
 from prefect.client.schemas.objects import FlowRun
 from prefect.context import TagsContext
-from prefect.exceptions import ObjectNotFound
+from prefect.exceptions import InfrastructureNotAvailable, InfrastructureNotFound, ObjectNotFound
 from prefect.states import Pending
 from prefect.workers.base import BaseVariables, BaseWorkerResult
 from prefect_docker.worker import DockerWorker, DockerWorkerJobConfiguration
@@ -38,11 +39,12 @@ from e31_prefect.blocks import E31Storage
 from e31_prefect.inventory import Inventory, discover
 from e31_prefect.job import JOB_VARIABLE_KEYS, Job, anchor, job_name
 from e31_prefect.ledger import Ledger, RunFolder
-from e31_prefect.life import JobLife, scheduled_start
+from e31_prefect.life import JobLife, infrastructure_id, parse_infrastructure_id, scheduled_start
 from e31_prefect.meter import Meter
 from e31_prefect.runtimes import container as containers
 from e31_prefect.scheduling import Busy, WaitingQueue, WaitingRun, decide
 from e31_prefect.settings import E31Settings
+from e31_prefect.supervision import Supervisor
 
 if TYPE_CHECKING:
     from prefect.client.schemas.objects import Flow as APIFlow
@@ -162,6 +164,9 @@ def job_folder(deployment: DeploymentResponse | None) -> Path | None:
     made_by_e31 = steps == [{"prefect.deployments.steps.set_working_directory": {"directory": deployment.path}}]
     folder = Path(deployment.path)
     return folder if made_by_e31 and folder.is_dir() else None
+
+
+LOWEST_QUEUE_PRIORITY = 2**31  # a run whose work queue is unknown goes after every known queue's
 
 
 class E31WorkerResult(BaseWorkerResult):
@@ -310,11 +315,16 @@ class E31Worker(DockerWorker):
                 chosen.append(by_id[run.id])
                 if run.duration is not None:
                     self.holds_until[run.id] = now + run.duration
-        return await self._submit_scheduled_flow_runs(flow_run_response=chosen)
+        submitted = {run.id for run in await self._submit_scheduled_flow_runs(flow_run_response=chosen)}
+        for response in chosen:
+            if response.flow_run.id not in submitted:  # Prefect's limiter (--limit) said no: hold nothing for it
+                self.return_devices(response.flow_run.id)
+        return [response.flow_run for response in chosen if response.flow_run.id in submitted]
 
     async def _waiting_runs(self, flow_runs: list[FlowRun]) -> dict[UUID, tuple[WaitingRun, str, str | None]]:
         """Each scheduled run as the scheduler sees it, with its job's name and team."""
         deployments: dict[UUID, DeploymentResponse | None] = {}
+        queues = await self._queue_priorities()
         waiting = {}
         for flow_run in flow_runs:
             if flow_run.deployment_id and flow_run.deployment_id not in deployments:
@@ -325,7 +335,8 @@ class E31Worker(DockerWorker):
             deployment = deployments.get(flow_run.deployment_id) if flow_run.deployment_id else None
             name = deployment.name if deployment else flow_run.name
             try:
-                run, team = await self._waiting_run(flow_run, deployment, name)
+                run, team = await self._waiting_run(flow_run, deployment, name,
+                                                    queues.get(flow_run.work_queue_id, LOWEST_QUEUE_PRIORITY))
             except Exception as exc:
                 # Whatever this run carries (a job variable of the wrong shape, a date out of any
                 # range), it is taken at once, on no device, so that its life fails it with the reason.
@@ -335,8 +346,17 @@ class E31Worker(DockerWorker):
             waiting[flow_run.id] = (run, name, team)
         return waiting
 
-    async def _waiting_run(self, flow_run: FlowRun, deployment: DeploymentResponse | None,
-                           name: str) -> tuple[WaitingRun, str | None]:
+    async def _queue_priorities(self) -> dict[UUID, int]:
+        """Each work queue of the pool and its priority (1 first), read once per poll."""
+        try:
+            return {queue.id: queue.priority for queue in
+                    await self.client.read_work_queues(work_pool_name=self._work_pool_name)}
+        except Exception as exc:
+            self._logger.warning("Could not read the pool's work queues (%s); their priorities are ignored", exc)
+            return {}
+
+    async def _waiting_run(self, flow_run: FlowRun, deployment: DeploymentResponse | None, name: str,
+                           queue_priority: int = 0) -> tuple[WaitingRun, str | None]:
         scheduled = scheduled_start(flow_run)
         values = {**(deployment.job_variables if deployment else {}), **(flow_run.job_variables or {})}
         configuration = await self.job_configuration.from_template_and_values(
@@ -351,6 +371,7 @@ class E31Worker(DockerWorker):
             latest_start=timing.latest_start(deadline, job.request.admission_duration),
             priority=job.request.priority,
             duration=job.request.time_limit or job.request.expected_duration,
+            queue_priority=queue_priority,
         ), job.team
 
     async def _refuse_missed(self, flow_run: FlowRun, job_name: str, team: str | None, latest: datetime | None,
@@ -404,6 +425,11 @@ class E31Worker(DockerWorker):
                 flow, parameters=flow.serialize_parameters(parameters or {}), state=Pending(),
                 job_variables=job_variables, work_pool_name=self.work_pool.name,
                 tags=sorted(TagsContext.get().current_tags | {"e31"}))  # with the caller's `tags(...)`
+        else:
+            # A retry of an existing run (`flow.retry(...)`): Pending again, as Prefect's own ad hoc path does.
+            await self.client.set_flow_run_state(flow_run.id, Pending(message="Retrying on an e31 worker"),
+                                                 force=True)
+            flow_run = await self.client.read_flow_run(flow_run.id)
         if task_status is not None:
             task_status.started(flow_run)
         configuration = await self.job_configuration.from_template_and_values(
@@ -412,6 +438,23 @@ class E31Worker(DockerWorker):
             flow_run=flow_run, flow=SimpleNamespace(id=flow_run.flow_id, name=flow.name, labels={}),
             work_pool=self.work_pool, worker_name=self.name, worker_id=self.backend_id)
         await self.run(flow_run, configuration)
+
+    async def kill_infrastructure(self, infrastructure_pid: str, configuration: Any, grace_seconds: int = 30) -> None:
+        """Stop a run's work from its infrastructure id (Prefect's cancellation path), in either runtime.
+
+        The id names the host and the flow run (:func:`infrastructure_id`): the run's supervisor
+        stops the work (SIGTERM, then SIGKILL after its grace, or docker stop, kill, remove).
+        """
+        host, run_id = parse_infrastructure_id(infrastructure_pid)
+        if host != socket.gethostname():
+            raise InfrastructureNotAvailable(f"flow run {run_id} runs on host {host!r}; this worker is on "
+                                             f"{socket.gethostname()!r}")
+        supervisor = Supervisor(self.ledger.folder(run_id))
+        if not supervisor.alive():
+            raise InfrastructureNotFound(f"flow run {run_id} has no running work on this host")
+        supervisor.stop()
+        with anyio.move_on_after(grace_seconds + 10):
+            await supervisor.wait()
 
     # -- living one job ---------------------------------------------------------------------------
 
@@ -429,4 +472,4 @@ class E31Worker(DockerWorker):
         finally:
             self._living.discard(flow_run.id)
         failed = ending is not None and ending.is_(endings.WORKER_FAILED)
-        return E31WorkerResult(status_code=1 if failed else 0, identifier=str(life.infrastructure or 0))
+        return E31WorkerResult(status_code=1 if failed else 0, identifier=infrastructure_id(flow_run.id))

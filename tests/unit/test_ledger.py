@@ -124,3 +124,44 @@ def test_processes_are_told_apart_by_pid_and_start_time():
         pass
     assert not process_running(zombie.pid)  # exited, not yet reaped: a zombie is not running
     zombie.wait()
+
+
+# -- a container that will not stop -------------------------------------------------------------
+
+
+class StubbornEngine:
+    """A Docker API whose stop answers 500, as a fork bomb's container made one answer."""
+
+    def __init__(self, kill_fails: bool):
+        self.kill_fails = kill_fails
+        self.calls: list[str] = []
+
+    def stop(self, container_id: str, timeout: int) -> None:
+        import docker.errors
+
+        self.calls.append("stop")
+        raise docker.errors.APIError("500 Server Error: cannot stop container")
+
+    def kill(self, container_id: str) -> None:
+        import docker.errors
+
+        self.calls.append("kill")
+        if self.kill_fails:
+            raise docker.errors.APIError("500 Server Error: cannot kill container")
+
+    def remove_container(self, container_id: str, force: bool) -> None:
+        self.calls.append("remove")
+
+
+def test_a_container_that_will_not_stop_is_killed_then_removed():
+    from types import SimpleNamespace
+
+    from e31_prefect.ledger import Spec
+    from e31_prefect.supervisor import ContainerWork
+
+    for kill_fails, expected in ((False, ["stop", "kill"]), (True, ["stop", "kill", "remove"])):
+        engine = StubbornEngine(kill_fails)
+        work = ContainerWork(Spec(run_id="r", runtime="container", stop_at=None), ["c0ffee"],
+                             client=SimpleNamespace(api=engine, close=lambda: None))
+        work._stop(grace_seconds=1)
+        assert engine.calls == expected

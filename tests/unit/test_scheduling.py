@@ -14,7 +14,7 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from e31_prefect.inventory import Device, matches
-from e31_prefect.scheduling import Decision, WaitingRun, decide, urgency
+from e31_prefect.scheduling import Decision, WaitingQueue, WaitingRun, decide, urgency
 
 UTC = timezone.utc
 NOW = datetime(2026, 12, 3, 22, 0, tzinfo=UTC)
@@ -35,12 +35,14 @@ def run(
     scheduled: float = 0,
     latest: float | None = None,
     priority: int = 0,
+    queue: int = 0,
 ) -> WaitingRun:
-    """A waiting run; ``scheduled`` and ``latest`` are minutes relative to NOW."""
+    """A waiting run; ``scheduled`` and ``latest`` are minutes relative to NOW; ``queue`` its queue's priority."""
     return WaitingRun(
         id=id,
         gpus=gpus,
         gpu_type=gpu_type,
+        queue_priority=queue,
         scheduled=NOW + minutes(scheduled),
         latest_start=None if latest is None else NOW + minutes(latest),
         priority=priority,
@@ -126,12 +128,31 @@ def test_no_deadline_runs_in_priority_then_scheduled_order():
 
 
 def test_urgency_key_shape():
-    assert urgency(run("x", latest=30, priority=2, scheduled=-1)) == (
-        NOW + minutes(30), -2, NOW - minutes(1),
+    assert urgency(run("x", latest=30, priority=2, scheduled=-1, queue=3)) == (
+        3, NOW + minutes(30), -2, NOW - minutes(1),
     )
     assert urgency(run("y", scheduled=-1, priority=4)) == (
-        datetime.max.replace(tzinfo=UTC), -4, NOW - minutes(1),
+        0, datetime.max.replace(tzinfo=UTC), -4, NOW - minutes(1),
     )
+
+
+def test_a_higher_priority_work_queue_goes_first_whatever_the_slack():
+    """Prefect users order their queues on purpose: queue 1 before queue 2, then least slack within."""
+    waiting = [
+        run("low-queue-day-late", scheduled=-24 * 60, latest=600, queue=2),
+        run("high-queue-relaxed", scheduled=0, latest=900, queue=1),
+        run("high-queue-urgent", scheduled=0, latest=60, queue=1),
+    ]
+    decision = decide(waiting, gpus(H100, H100), NOW)
+    assert started(decision) == ["high-queue-urgent", "high-queue-relaxed"]
+
+
+def test_missed_runs_of_every_queue_are_refused_even_when_nothing_can_start():
+    queue = WaitingQueue([run("busy-1", queue=1), run("late-1", latest=-5, queue=1),
+                          run("late-3", latest=-1, queue=3), run("fine-3", latest=30, queue=3)])
+    decision = decide(queue, [], NOW)
+    assert sorted(r.id for r in decision.missed) == ["late-1", "late-3"]
+    assert decision.start == []
 
 
 # -- fitting ----------------------------------------------------------------------------------
@@ -355,7 +376,6 @@ def test_e31_refuses_a_run_that_can_no_longer_make_it_and_fifo_runs_it_late():
 
 # -- one model per run, the kept queue, and plans that never over-commit -------------------------
 
-from e31_prefect.scheduling import WaitingQueue  # noqa: E402
 
 
 def test_a_run_never_spans_two_models():
