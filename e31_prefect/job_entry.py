@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import os
 import runpy
+import time
+import urllib.error
+import urllib.request
 from typing import Any
 
 WORK_ENDED_VARIABLE = "E31_WORK_ENDED"
@@ -81,11 +84,32 @@ def _say_before_reporting() -> None:
         async_engine.set_state = set_state_async
 
 
+def wait_for_api(api_url: str | None, seconds: float = 60.0) -> None:
+    """Wait (at most ``seconds``) while the Prefect API cannot be reached at all.
+
+    Prefect's engine gives up at once if its first call finds no server (it retries only once it
+    has connected), so a job started during a server restart would die before its flow began.
+    Any answer, even an error, ends the wait: only an unreachable API is waited for.
+    """
+    if not api_url:
+        return
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            urllib.request.urlopen(f"{api_url.rstrip('/')}/health", timeout=5).close()
+            return
+        except urllib.error.HTTPError:
+            return
+        except (OSError, ValueError):
+            time.sleep(0.5)
+
+
 def main() -> None:
     """Run the flow run named by ``PREFECT__FLOW_RUN_ID`` with Prefect's engine."""
     path = os.environ.pop(WORK_ENDED_VARIABLE, None)
     if path:
         _pipe.append(path)
+    wait_for_api(os.environ.get("PREFECT_API_URL"))
     _say_before_reporting()
     runpy.run_module("prefect.engine", run_name="__main__", alter_sys=True)
 

@@ -144,7 +144,7 @@ class JobLife:
     """The life of one job on this host, from taking the run to closing its meter."""
 
     def __init__(self, worker: E31Worker, flow_run: FlowRun, configuration: E31JobConfiguration | None,
-                 task_status: anyio.abc.TaskStatus[Any] = anyio.TASK_STATUS_IGNORED):
+                 task_status: anyio.abc.TaskStatus[Any] = anyio.TASK_STATUS_IGNORED, owner: int | None = None):
         self.worker = worker
         self.flow_run = flow_run
         self.run_id = flow_run.id
@@ -165,7 +165,7 @@ class JobLife:
         self.infrastructure: str | None = None
         self._started = False
         self._detached = False
-        self._owner: int | None = None  # the run's owner lock in the ledger, from renting to release
+        self._owner = owner  # the run's owner lock in the ledger folder, from taking the run to release
 
     # -- the whole life ---------------------------------------------------------------------------
 
@@ -174,6 +174,7 @@ class JobLife:
         self.meter.mark("submitted", scheduled_start(self.flow_run))
         self.meter.mark("picked", now())
         try:
+            self._take()
             ending = await self._live()
         except anyio.get_cancelled_exc_class():
             with anyio.CancelScope(shield=True), anyio.move_on_after(5):
@@ -334,9 +335,17 @@ class JobLife:
             with anyio.CancelScope(shield=True), anyio.move_on_after(30):
                 await quotas.release(self.worker.client, lease)
 
-    def _write_holding(self, job: Job, runtime: Runtime, stop_at: datetime | None) -> None:
+    def _take(self) -> None:
+        """Own the run's ledger folder from the start: a worker that dies before renting leaves a run that
+        the next worker hands back to the pool, instead of one Prefect keeps Pending for ever."""
         if self._owner is None:
             self._owner = self.folder.own()  # before the entry exists: no other worker takes it for an orphan
+        if self.folder.holding() is None:
+            pid, started = this_process()
+            self.folder.write_holding(Holding(flow_run_id=str(self.run_id), worker_pid=pid, worker_started=started,
+                                              job_name=self.job_name, devices=[], workspace=str(self.workspace)))
+
+    def _write_holding(self, job: Job, runtime: Runtime, stop_at: datetime | None) -> None:
         pid, started = this_process()
         self.holding = Holding(
             flow_run_id=str(self.run_id), worker_pid=pid, worker_started=started, job_name=job.name,
@@ -574,15 +583,27 @@ class JobLife:
             worker.ledger.forget(folder.run_id)
             os.close(owner)
             return None
-        life = cls(worker, flow_run, None)
-        life.job_name, life.holding, life._owner = holding.job_name, holding, owner
+        life = cls(worker, flow_run, None, owner=owner)
+        life.job_name, life.holding = holding.job_name, holding
         life.workspace = Path(holding.workspace)
         life.lease = UUID(holding.lease) if holding.lease else None
         life.meter = meter_from(holding, folder.record(), worker.settings.stop_grace_seconds)
         life.log.warning("Adopting this run, left by a worker that is gone (pid %s)", holding.worker_pid)
-        ending = await life._resume(folder, Job.model_validate(holding.job))
+        if folder.spec() is None:
+            ending = await life._never_started()
+        else:
+            ending = await life._resume(folder, Job.model_validate(holding.job))
         await life.release(ending)
         await life._release_lease()
+        return ending
+
+    async def _never_started(self) -> Ending | None:
+        """Taken (perhaps rented), never started: nothing ran. The run goes back to the pool."""
+        state = await self._flow_state()
+        if state is not None and state.is_final():
+            return None
+        ending = endings.HANDED_BACK.saying("The e31 worker that took it is gone; nothing of it ran. Rescheduled.")
+        await self._set_state(ending)
         return ending
 
     async def _resume(self, folder: RunFolder, job: Job) -> Ending | None:
@@ -591,13 +612,6 @@ class JobLife:
             self.options = self.storage.fsspec_options() if self.storage else None
         except StorageBlockError as exc:
             self.log.warning("Outputs of this run may go to the spool: %s", exc)
-        if folder.spec() is None:
-            # Rented, never started: nothing ran. The run goes back to the pool.
-            state = await self._flow_state()
-            if state is None or not state.is_final():
-                return endings.HANDED_BACK.saying("The e31 worker that rented it died before starting it; "
-                                                  "rescheduled.")
-            return None
         supervisor = Supervisor(folder)
         if supervisor.alive():
             async with self.watching(supervisor):

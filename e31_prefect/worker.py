@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
 import socket
 from datetime import datetime, timezone
@@ -38,7 +39,7 @@ from e31_prefect import endings, reporting, timing
 from e31_prefect.blocks import E31Storage
 from e31_prefect.inventory import Inventory, discover
 from e31_prefect.job import JOB_VARIABLE_KEYS, Job, anchor, job_name
-from e31_prefect.ledger import Ledger, RunFolder
+from e31_prefect.ledger import Holding, Ledger, RunFolder, this_process
 from e31_prefect.life import JobLife, infrastructure_id, parse_infrastructure_id, scheduled_start
 from e31_prefect.meter import Meter
 from e31_prefect.runtimes import container as containers
@@ -199,6 +200,7 @@ class E31Worker(DockerWorker):
         self._only_flow_run_ids = only_flow_run_ids
         self._stopping = False
         self._serving = False  # a pool's worker (`prefect worker start`), which adopts what dead workers left
+        self._owners: dict[UUID, int] = {}  # ledger owner locks of runs taken but not yet lived
 
     # -- starting and stopping --------------------------------------------------------------------
 
@@ -392,10 +394,36 @@ class E31Worker(DockerWorker):
         """Whether a run is being submitted or lived on this worker now."""
         return bool(self._submitting_flow_run_ids or self._living)
 
+    async def _propose_pending_state(self, flow_run: FlowRun) -> bool:
+        """Take the run in this host's ledger before Prefect marks it Pending: if this worker dies before
+        the run starts, the next worker on the host hands it back to the pool (Prefect would keep it
+        Pending for ever)."""
+        folder = self.ledger.folder(str(flow_run.id))
+        owner = folder.own()
+        if owner is None:
+            return False  # another worker on this host has it
+        pid, started = this_process()
+        folder.write_holding(Holding(flow_run_id=str(flow_run.id), worker_pid=pid, worker_started=started,
+                                     job_name=flow_run.name, devices=[],
+                                     workspace=str(self.settings.workspaces / str(flow_run.id))))
+        self._owners[flow_run.id] = owner
+        if await super()._propose_pending_state(flow_run):
+            return True
+        self._drop_claim(flow_run.id)
+        return False
+
+    def _drop_claim(self, flow_run_id: UUID) -> None:
+        """A run this worker took in its ledger but never lived: forget it."""
+        owner = self._owners.pop(flow_run_id, None)
+        if owner is not None:
+            self.ledger.forget(str(flow_run_id))
+            os.close(owner)
+
     def _release_limit_slot(self, flow_run_id: UUID) -> None:
         # Called by Prefect whenever a run stops occupying this worker, including a submission
-        # another worker won: the devices reserved for it go back too.
+        # another worker won: the devices reserved for it go back too, and a claim never lived.
         self.return_devices(flow_run_id)
+        self._drop_claim(flow_run_id)
         super()._release_limit_slot(flow_run_id)
 
     async def _give_worker_labels_to_flow_run(self, flow_run_id: UUID) -> None:
@@ -465,7 +493,8 @@ class E31Worker(DockerWorker):
         task_status: anyio.abc.TaskStatus[Any] | None = None,
     ) -> E31WorkerResult:
         """Live one job: admit, stage, rent, run, judge, send, release; the meter closes whatever happens."""
-        life = JobLife(self, flow_run, configuration, task_status or anyio.TASK_STATUS_IGNORED)
+        life = JobLife(self, flow_run, configuration, task_status or anyio.TASK_STATUS_IGNORED,
+                       owner=self._owners.pop(flow_run.id, None))
         self._living.add(flow_run.id)
         try:
             ending = await life.live()

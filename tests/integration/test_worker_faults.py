@@ -253,3 +253,38 @@ def test_a_cancelled_run_is_stopped_with_its_daemon_and_billed_to_the_stop(prefe
     rented = datetime.fromisoformat(next(r["at"] for r in json.loads(artifacts_of(run_id)["meter"].data)
                                          if r["step"] == "rented"))
     assert billed_in_artifact(run_id) <= (asked - rented).total_seconds() + 2 + 1  # the watcher's beat and grace
+
+
+def test_a_run_whose_worker_died_before_renting_goes_back_to_the_pool(prefect_server, tmp_path, pool):
+    """Killed while staging: Prefect would keep the run Pending for ever; the next worker hands it back."""
+    import socket
+
+    silent = socket.socket()  # an S3 endpoint that accepts and never answers: staging waits on it
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)
+    endpoint = f"http://127.0.0.1:{silent.getsockname()[1]}"
+    job = write_job(tmp_path / "stuck", """
+        name: stuck
+        work: {flow: flow.py:work}
+        data: [{from: "s3://bucket/big.bin"}]
+        request: {gpus: 1, max_duration: 5m}
+        """, flow=FLOW)
+    run_id = flow_run_id(cli("e31", "submit", str(job), "--pool", pool).stdout)
+    home = tmp_path / "host"
+    env = {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "x",
+           "AWS_DEFAULT_REGION": "us-east-1"}
+    first = Worker(pool, home, "1xH100", **env)
+    try:
+        until(lambda: read_run(run_id).state.type.value == "PENDING", 120, "the worker taking the run")
+        time.sleep(2)  # staging: listing s3://bucket/big.bin at an endpoint that never answers
+        first.kill()
+        assert read_run(run_id).state.type.value == "PENDING"
+        assert (home / "ledger" / str(run_id)).exists(), "the taken run is not in the host's ledger"
+        # The next worker (the endpoint now refuses, so the run is not taken again at once) hands it back.
+        silent.close()
+        second = Worker(pool, home, "1xH100", **{**env, "AWS_ENDPOINT_URL": "http://127.0.0.1:9"})
+        until(lambda: read_run(run_id).state.name in ("Scheduled", "StagingFailed"), 120, "the run going back")
+        second.stop(timeout=30)
+    finally:
+        silent.close()
+    assert not (home / "ledger" / str(run_id)).exists() or read_run(run_id).state.is_final()
