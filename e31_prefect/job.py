@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import difflib
+import os
 import re
 import shlex
 import string
@@ -621,6 +622,13 @@ def flow_file(work: Work, base: Path) -> tuple[Path, str]:
     return (base / relative).resolve(), function
 
 
+def code_root(job_folder: Path, flow_source: Path) -> Path | None:
+    """The folder a job's container must see for its flow: its folder, or the nearest one holding both it
+    and the flow's file (a repository with jobs/ and flows/); None when that would be a top-level folder."""
+    root = Path(os.path.commonpath([job_folder, flow_source.parent]))
+    return root if len(root.parts) >= 3 else None  # /, /home: far more of the host than the job's project
+
+
 def _work_problems(work: Work, base: Path) -> list[Problem]:
     if not work.flow and not work.command:
         return [Problem("work", MISSING, "says nothing to run; give flow: path/to/file.py:function or command: [...]")]
@@ -634,6 +642,10 @@ def _work_problems(work: Work, base: Path) -> list[Problem]:
     except SyntaxError as exc:
         return [Problem("work.flow", work.flow, f"{source.name} does not parse: {exc.msg} (line {exc.lineno})")]
     defined = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    if work.image and code_root(base, source) is None:
+        return [Problem("work.flow", work.flow, f"its container would have to see all of "
+                        f"{os.path.commonpath([base, source.parent])} to reach {source}; keep the flow in the job's "
+                        "folder or in a project folder holding both")]
     if function not in defined:
         hint = difflib.get_close_matches(function, sorted(defined), n=1)
         return [Problem("work.flow", work.flow, f"{source.name} defines no function {function}"

@@ -38,7 +38,7 @@ from pydantic import Field, PrivateAttr, create_model
 from e31_prefect import endings, reporting, timing
 from e31_prefect.blocks import E31Storage
 from e31_prefect.inventory import Inventory, discover
-from e31_prefect.job import JOB_VARIABLE_KEYS, Job, anchor, job_name
+from e31_prefect.job import JOB_VARIABLE_KEYS, Job, anchor, code_root, job_name
 from e31_prefect.ledger import Holding, Ledger, RunFolder, this_process
 from e31_prefect.life import JobLife, infrastructure_id, parse_infrastructure_id, scheduled_start
 from e31_prefect.meter import Meter
@@ -99,6 +99,7 @@ class _Configuration(DockerWorkerJobConfiguration):
     _job_name: str = PrivateAttr(default="job")
     _job_folder: Path | None = PrivateAttr(default=None)
     _code_folder: Path | None = PrivateAttr(default=None)
+    _entrypoint: str | None = PrivateAttr(default=None)
 
     @classmethod
     def json_template(cls) -> dict[str, Any]:
@@ -119,12 +120,13 @@ class _Configuration(DockerWorkerJobConfiguration):
         self._job_name = deployment.name if deployment else flow_run.name
         self._job_folder = job_folder(deployment)
         self._code_folder = code_folder(deployment)
+        self._entrypoint = deployment.entrypoint if deployment else None
         entrypoint = (getattr(self, "work", None) or {}).get("flow")
         if deployment is None and entrypoint:
             # A run with no deployment (an @e31 flow) names its source file: the flow is loaded
             # from there, and the file's folder is its code (mounted read-only in a container).
             folder = Path(entrypoint.rsplit(":", 1)[0]).parent
-            self.env["PREFECT__FLOW_ENTRYPOINT"] = entrypoint
+            self.env["PREFECT__FLOW_ENTRYPOINT"] = self._entrypoint = entrypoint
             self._job_folder = self._code_folder = folder if folder.is_dir() else None
             if flow is not None:
                 self._job_name = job_name(flow.name)
@@ -136,6 +138,16 @@ class _Configuration(DockerWorkerJobConfiguration):
         """
         job = Job.from_job_variables({k: getattr(self, k) for k in JOB_VARIABLE_KEYS}, name=name or self._job_name)
         return anchor(job, self._code_folder) if self._code_folder else job
+
+    def code_mount(self) -> Path | None:
+        """The folder of the job's code that its container sees read-only at its own path: the job's folder,
+        or the project folder holding it and a flow file that lives beside it (``../flows/x.py``)."""
+        if self._job_folder is None:
+            return None
+        source = (self._entrypoint or "").rsplit(":", 1)[0]
+        if not source.endswith(".py"):
+            return self._job_folder  # a module (e31's command flow): the command runs in the job's folder
+        return code_root(self._job_folder, (self._job_folder / source).resolve()) or self._job_folder
 
 
 E31JobConfiguration = create_model("E31JobConfiguration", __base__=_Configuration, __module__=__name__,

@@ -72,12 +72,13 @@ def isolation(job: Job, devices: Sequence[Device], send_device_requests: bool,
     return options
 
 
-def mounts(data_dir: Path, output_dir: Path, job_folder: Path | None, work_ended: Path | None = None) -> list[str]:
-    """Data read-only, output writable, the job file's folder read-only at its own path (for its flow
-    code), e31's job entry read-only, and the pipe the job says its work ended on."""
+def mounts(data_dir: Path, output_dir: Path, code: Path | None, work_ended: Path | None = None) -> list[str]:
+    """Data read-only, output writable, the job's code read-only at its own path (its folder, or the
+    project folder holding it and its flow), e31's job entry read-only, and the pipe the job says its
+    work ended on."""
     volumes = [f"{data_dir}:{DATA_MOUNT}:ro", f"{output_dir}:{OUTPUT_MOUNT}:rw"]
-    if job_folder is not None:
-        volumes.append(f"{job_folder}:{job_folder}:ro")
+    if code is not None:
+        volumes.append(f"{code}:{code}:ro")
     volumes.append(f"{job_entry.__file__}:{ENTRY_MOUNT}:ro")
     if work_ended is not None:
         volumes.append(f"{work_ended}:{WORK_ENDED_MOUNT}:rw")
@@ -93,14 +94,18 @@ def prepare(
     job_folder: Path | None,
     send_device_requests: bool,
     work_ended: Path | None = None,
+    code: Path | None = None,
 ) -> DockerWorkerJobConfiguration:
-    """A copy of the run's configuration that creates the E31 container for it."""
+    """A copy of the run's configuration that creates the E31 container for it.
+
+    ``job_folder`` is its working directory; ``code`` (default: the job folder) is mounted read-only.
+    """
     prepared = configuration.model_copy(deep=True)
     assert job.work.image
     prepared.image = job.work.image
     prepared.command = f"python {ENTRY_MOUNT}"
     prepared.env = container_environment(configuration.env, job, devices)
-    prepared.volumes = mounts(data_dir, output_dir, job_folder, work_ended)
+    prepared.volumes = mounts(data_dir, output_dir, code or job_folder, work_ended)
     prepared.privileged = False
     prepared.auto_remove = False  # the supervisor reads the exit state (OOM) before removing it
     memory = job.request.memory_bytes
@@ -147,9 +152,10 @@ class ContainerRuntime:
         return placement.spec(self.name, container_label=label)
 
     async def start(self, placement: Placement, supervisor: Supervisor) -> None:
-        prepared = prepare(placement.configuration, placement.job, placement.devices, placement.data_dir,
-                           placement.output_dir, placement.configuration._job_folder, self.send_gpus,
-                           placement.folder.work_ended_pipe)
+        configuration = placement.configuration
+        prepared = prepare(configuration, placement.job, placement.devices, placement.data_dir,
+                           placement.output_dir, configuration._job_folder, self.send_gpus,
+                           placement.folder.work_ended_pipe, configuration.code_mount())
         try:
             container, _ = await asyncio.to_thread(self.worker._create_and_start_container, prepared)
         except BaseException:

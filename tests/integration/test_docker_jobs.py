@@ -187,3 +187,24 @@ def test_image_job_without_an_engine_fails_before_renting(prefect_server, tmp_pa
     assert run.state.name == "NoContainerEngine" and "e31-prefect-job:any" in run.state.message
     assert "e31:billed-s=0" in run.tags
 
+
+
+def test_a_flow_beside_the_jobs_folder_runs_the_same_in_a_container_and_as_a_process(
+        prefect_server, job_image, tmp_path, pool):
+    """A repository with jobs/ and flows/: the container sees the project folder holding both, read-only."""
+    repo = tmp_path / "repo"
+    (repo / "flows").mkdir(parents=True)
+    (repo / "flows" / "probe.py").write_text(PROBE)
+    outputs = {}
+    for runtime, image in (("container", f", image: {job_image}"), ("process", "")):
+        job = write_job(repo / "jobs", f"""
+            name: beside-{runtime}
+            work: {{flow: ../flows/probe.py:probe{image}}}
+            request: {{gpus: 0, max_duration: 5m}}
+            output: {{to: ./out-{runtime}/}}
+            """, name=f"{runtime}.yaml")
+        result = cli("e31", "run", str(job), "--pool", pool)
+        assert result.returncode == 0, result.stdout + result.stderr
+        outputs[runtime] = json.loads((repo / "jobs" / f"out-{runtime}" / "seen.json").read_text())
+    assert outputs["container"]["in_container"] and not outputs["process"]["in_container"]
+    assert outputs["container"]["cwd"] == str(repo / "jobs")

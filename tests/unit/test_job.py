@@ -824,3 +824,35 @@ def test_loading_twice_gives_equal_jobs(job_folder: Path):
     first, second = load_job_file(path), load_job_file(path)
     assert first == second
     assert copy.deepcopy(first) == first
+
+
+def test_a_containers_code_is_the_jobs_project_folder_never_a_top_level_one(tmp_path):
+    from e31_prefect.job import code_root
+
+    repo = tmp_path / "repo"
+    assert code_root(repo / "jobs", repo / "jobs" / "flow.py") == repo / "jobs"
+    assert code_root(repo / "jobs", repo / "flows" / "x.py") == repo
+    assert code_root(Path("/home/me/jobs"), Path("/opt/flows/x.py")) is None
+    assert code_root(Path("/home/a/jobs"), Path("/home/b/x.py")) is None
+
+
+def test_an_image_job_whose_flow_the_container_could_not_see_is_refused(tmp_path):
+    import os
+    import tempfile
+
+    folder = tmp_path / "jobs"
+    folder.mkdir()
+    top = Path(tempfile.gettempdir())  # a flow file in /tmp: its container would see all of /tmp
+    flow = top / f"e31-far-{tmp_path.name}.py"
+    flow.write_text("def f():\n    pass\n")
+    try:
+        relative = os.path.relpath(flow, folder)
+        (folder / "job.yaml").write_text(f"name: far\nwork: {{flow: '{relative}:f', image: acme/x:1}}\n"
+                                         "request: {max_duration: 1h}\n")
+        with pytest.raises(JobError) as caught:
+            load_job_file(folder / "job.yaml")
+        assert f"its container would have to see all of {top} to reach {flow}" in str(caught.value)
+        (folder / "job.yaml").write_text(f"name: far\nwork: {{flow: '{relative}:f'}}\nrequest: {{max_duration: 1h}}\n")
+        assert load_job_file(folder / "job.yaml").work.flow, "as a process it runs where it is"
+    finally:
+        flow.unlink()
