@@ -86,6 +86,7 @@ class Spec:
     pids_limit: int | None = None
     container_label: str | None = None  # label=value naming the run's container, if the worker never names it
     cgroups: bool = True  # False: the work's processes are found as the supervisor's descendants only
+    container_logs: bool = False  # copy the container's output into the run's output log
     rented: str | None = None  # when the devices were rented: the meter's start, for the accounting line
     accounting: str | None = None  # the host's accounting file, where the supervisor appends the run's line
 

@@ -245,6 +245,14 @@ class JobLife:
             raise Ends(endings.INVALID_JOB.saying("The job is not valid:\n" + str(exc))) from None
         self.job_name = job.name
         self.meter.gpus, self.meter.team = job.request.gpus, job.team
+        refused = self.configuration.setting_problems(self.worker.settings.allowed_volumes)
+        unused = [] if job.work.image else [p for p in refused if p.field != "command"]  # only a container's
+        if unused:
+            self.log.warning("Container settings a process job does not use: %s", "; ".join(map(str, unused)))
+        refused = [problem for problem in refused if problem not in unused]
+        if refused:
+            raise Ends(endings.INVALID_JOB.saying("The run's worker settings are not valid:\n"
+                                                  + "\n".join(map(str, refused))))
         deadline = timing.resolve_deadline(job.request.deadline, scheduled_start(self.flow_run), job.tz)
         latest = timing.latest_start(deadline, job.request.admission_duration)
         if latest is not None and now() > latest:

@@ -36,6 +36,11 @@ class E31Settings(BaseSettings):
         description="Host-wide folder of device lock files, shared by every e31 worker on the host whatever its "
         "pool or E31_HOME, so a device is rented to one run at a time per host.",
     )
+    allowed_volumes: list[Path] = Field(
+        default_factory=list,
+        description="Host folders job containers may mount read-only (a pool's volumes setting), as a JSON "
+        'list: E31_ALLOWED_VOLUMES=\'["/datasets", "/models"]\'. None by default.',
+    )
     cgroups: bool = Field(
         default=True,
         description="Put each process run in a cgroup of its own where the host allows (memory and pids limits, "

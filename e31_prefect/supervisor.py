@@ -156,7 +156,8 @@ class ContainerWork:
     container that will not stop never bills past its limit and grace.
     """
 
-    def __init__(self, spec: Spec, names: list[str], client: Any = None):
+    def __init__(self, spec: Spec, names: list[str], client: Any = None, log: Path | None = None):
+        self.log = log
         if client is None:
             import docker
 
@@ -177,7 +178,16 @@ class ContainerWork:
         if self.id is None:
             return None
         threading.Thread(target=self._wait, daemon=True).start()
+        if self.spec.container_logs and self.log is not None:
+            threading.Thread(target=self._copy_output, daemon=True).start()
         return self.id
+
+    def _copy_output(self) -> None:
+        """The container's output, as it comes, into the run's output log."""
+        with contextlib.suppress(Exception), open(self.log, "ab") as out:
+            for chunk in self.api.logs(self.id, stream=True, follow=True):
+                out.write(chunk)
+                out.flush()
 
     def _wait(self) -> None:
         import docker.errors
@@ -457,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
     wake = _signal_pipe(stop)  # before anything else: a cancel may come while the work starts
     _become_subreaper()
     if spec.runtime == "container":
-        work: Work = ContainerWork(spec, _container_names())
+        work: Work = ContainerWork(spec, _container_names(), log=folder.output_log)
     else:
         work = ProcessWork(spec, folder.output_log, record)
     return Supervisor(folder, spec, work, record, stop, wake).run()

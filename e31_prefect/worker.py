@@ -22,7 +22,7 @@ import socket
 from datetime import datetime, timezone
 from pathlib import Path
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 from uuid import UUID
 
 import anyio
@@ -38,7 +38,7 @@ from pydantic import Field, PrivateAttr, create_model
 from e31_prefect import endings, reporting, timing
 from e31_prefect.blocks import E31Storage
 from e31_prefect.inventory import Inventory, discover
-from e31_prefect.job import JOB_VARIABLE_KEYS, Job, anchor, code_root, job_name
+from e31_prefect.job import JOB_VARIABLE_KEYS, Job, Problem, anchor, code_root, job_name
 from e31_prefect.ledger import Holding, Ledger, RunFolder, this_process
 from e31_prefect.life import JobLife, infrastructure_id, parse_infrastructure_id, scheduled_start
 from e31_prefect.meter import Meter
@@ -69,17 +69,25 @@ def _job_fields(raw: bool) -> dict[str, Any]:
     return fields
 
 
-class _PoolSettings(BaseVariables):
-    """The e31 work pool's form: the job's fields (see :func:`_job_fields`) and these settings of the pool's."""
+def _docker_fields() -> dict[str, Any]:
+    """prefect-docker's job variables, declared by prefect-docker, each described as it works on an e31 pool."""
+    fields: dict[str, Any] = {}
+    for name, meaning in containers.DOCKER_SETTINGS.items():
+        info = DockerWorkerJobConfiguration.model_fields[name]
+        # No default image: prefect-docker computes one (with a git subprocess) that an e31 job never uses.
+        annotation, default = (str | None, None) if name == "image" else (
+            info.annotation, info.get_default(call_default_factory=True))
+        fields[name] = (annotation, Field(default=default, title=info.title, description=meaning,
+                                          examples=info.examples))
+    return fields
 
-    image_pull_policy: Literal["IfNotPresent", "Always", "IfPossible", "Never"] | None = Field(
-        default=None, title="Image pull policy",
-        description="For jobs with an image: when the worker pulls it (IfNotPresent for tagged images).",
-        examples=["IfNotPresent"])
-    network_mode: str | None = Field(
-        default=None, title="Container network",
-        description="Network mode of job containers; host when the Prefect API is on this host's loopback.",
-        examples=["host"])
+
+class _PoolSettings(BaseVariables):
+    """The e31 work pool's form: the job's fields, prefect-docker's settings, and this one of e31's."""
+
+    command: str | None = Field(
+        default=None, title="Command",
+        description="Refused: e31 runs Prefect's engine itself; a job's work is its work.flow or work.command.")
     gpu_device_requests: containers.GpuRequests = Field(
         default="auto", title="GPU device requests",
         description="Send containers a device request for their GPUs: auto (when the engine has the NVIDIA "
@@ -87,7 +95,8 @@ class _PoolSettings(BaseVariables):
         examples=["auto"])
 
 
-E31Variables = create_model("E31Variables", __base__=_PoolSettings, __module__=__name__, **_job_fields(raw=False))
+E31Variables = create_model("E31Variables", __base__=_PoolSettings, __module__=__name__, **_docker_fields(),
+                            **_job_fields(raw=False))
 E31Variables.__doc__ = "The e31 work pool's form: the job's team, work, data, request and output, and the pool's."
 
 
@@ -95,8 +104,10 @@ class _Configuration(DockerWorkerJobConfiguration):
     """One flow run's job as the worker receives it: raw job variables, validated in :meth:`job`."""
 
     gpu_device_requests: containers.GpuRequests = Field(default="auto")
+    image: str | None = Field(default=None)  # a job's image is its work.image; no default is computed
 
     _job_name: str = PrivateAttr(default="job")
+    _command_given: str | None = PrivateAttr(default=None)
     _job_folder: Path | None = PrivateAttr(default=None)
     _code_folder: Path | None = PrivateAttr(default=None)
     _entrypoint: str | None = PrivateAttr(default=None)
@@ -116,7 +127,10 @@ class _Configuration(DockerWorkerJobConfiguration):
         worker_id: UUID | None = None,
     ) -> None:
         """Stamp Prefect's environment and labels; the job is named after its deployment."""
+        self._command_given, image = self.command, self.image
+        self.image = image or "unused"  # spares prefect-docker computing a default image (a git subprocess)
         super().prepare_for_flow_run(flow_run, deployment, flow, work_pool, worker_name, worker_id=worker_id)
+        self.image = image
         self._job_name = deployment.name if deployment else flow_run.name
         self._job_folder = job_folder(deployment)
         self._code_folder = code_folder(deployment)
@@ -138,6 +152,11 @@ class _Configuration(DockerWorkerJobConfiguration):
         """
         job = Job.from_job_variables({k: getattr(self, k) for k in JOB_VARIABLE_KEYS}, name=name or self._job_name)
         return anchor(job, self._code_folder) if self._code_folder else job
+
+    def setting_problems(self, allowed_volumes: list[Path]) -> list[Problem]:
+        """The prefect-docker settings of this run that an e31 pool refuses, each with the e31 way instead."""
+        settings = {name: getattr(self, name) for name in containers.DOCKER_SETTINGS}
+        return containers.setting_problems({**settings, "command": self._command_given}, allowed_volumes)
 
     def code_mount(self) -> Path | None:
         """The folder of the job's code that its container sees read-only at its own path: the job's folder,

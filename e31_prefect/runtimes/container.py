@@ -20,7 +20,7 @@ import docker.types
 import docker
 from e31_prefect import endings, job_entry
 from e31_prefect.inventory import Device
-from e31_prefect.job import Job
+from e31_prefect.job import Job, Problem
 from e31_prefect.ledger import Spec
 from e31_prefect.runtimes import DEFAULT_PIDS_LIMIT, WORK_ENDED_VARIABLE, Placement, job_environment
 
@@ -34,6 +34,74 @@ OUTPUT_MOUNT = "/e31/output"
 ENTRY_MOUNT = "/e31/bin/job_entry.py"  # e31's job entry, mounted: any image with Prefect can run it
 WORK_ENDED_MOUNT = "/e31/control/work-ended"
 GpuRequests = Literal["auto", "on", "off"]
+
+# prefect-docker's job variables as they work on an e31 pool: the pool's form shows these words.
+DOCKER_SETTINGS = {
+    "image": "Not set here: a job's image is its work.image (a job without one runs as a local process). "
+             "Set, it is refused.",
+    "registry_credentials": "A DockerRegistryCredentials block: the worker logs in with it to pull a job's image.",
+    "image_pull_policy": "For jobs with an image: when the worker pulls it (IfNotPresent for tagged images).",
+    "networks": "Docker networks job containers join (instead of the network mode).",
+    "network_mode": "Network mode of job containers; host when the Prefect API is on this host's loopback.",
+    "volumes": "Host folders mounted read-only into job containers (SOURCE:TARGET); each must lie under a folder "
+               "the host allows (E31_ALLOWED_VOLUMES). Others are refused.",
+    "stream_output": "Copy a job container's output into the run's output log (and `e31 run`'s console).",
+    "container_create_kwargs": "docker-py create options passed on: shm_size, ipc_mode (private, shareable, "
+                               "none), ulimits, tmpfs. Others are refused: they would widen a job's view of the host.",
+    "mem_limit": "Refused: a job's memory limit is its request.memory (no swap).",
+    "memswap_limit": "Refused: a job's memory limit is its request.memory (no swap).",
+    "privileged": "Refused: job containers never run privileged.",
+    "auto_remove": "Refused: e31 removes every job container itself, once it has read how it ended.",
+}
+CREATE_OPTIONS = ("shm_size", "ipc_mode", "ulimits", "tmpfs")  # widen nothing the job should not see
+IPC_MODES = ("private", "shareable", "none")
+
+def setting_problems(settings: dict[str, Any], allowed_volumes: Sequence[Path]) -> list[Problem]:
+    """Each prefect-docker setting of a run that an e31 pool refuses: its name, value, and the e31 way instead.
+
+    ``settings``: the run's values, those left at prefect-docker's defaults included (``command`` as
+    the deployment or run gave it, before Prefect fills in its own).
+    """
+    problems = []
+    refused = {
+        "command": (None, "e31 runs Prefect's engine itself; give the job's work as work.flow or work.command"),
+        "image": (None, "a job's image is its work.image"),
+        "mem_limit": (None, "use request.memory (a limit with no swap)"),
+        "memswap_limit": (None, "use request.memory (a limit with no swap)"),
+        "privileged": (False, "job containers never run privileged"),
+        "auto_remove": (False, "e31 removes every job container itself once it has read how it ended"),
+    }
+    for name, (default, fix) in refused.items():
+        if settings.get(name, default) not in (default, None, ""):
+            problems.append(Problem(name, settings[name], f"is not an e31 setting: {fix}"))
+    for option, value in (settings.get("container_create_kwargs") or {}).items():
+        if option not in CREATE_OPTIONS:
+            problems.append(Problem(f"container_create_kwargs.{option}", value,
+                                    "would widen a job container's view of the host; e31 passes on only "
+                                    + ", ".join(CREATE_OPTIONS)))
+        elif option == "ipc_mode" and value not in IPC_MODES:
+            problems.append(Problem("container_create_kwargs.ipc_mode", value,
+                                    "would share another's memory; use one of " + ", ".join(IPC_MODES)))
+    for volume in settings.get("volumes") or []:
+        if read_only_volume(volume, allowed_volumes) is None:
+            allowed = ", ".join(map(str, allowed_volumes)) or "none on this host"
+            problems.append(Problem("volumes", volume, f"mounts a host path the host's operator did not allow "
+                                    f"(E31_ALLOWED_VOLUMES: {allowed}); stage it as the job's data instead"))
+    return problems
+
+
+def read_only_volume(volume: str, allowed: Sequence[Path]) -> str | None:
+    """``SOURCE:TARGET[:MODE]`` as mounted for a job (read-only), or None when its source is not under an
+    allowed folder (a named volume, a relative path, a symlink out of one)."""
+    source, _, rest = volume.partition(":")
+    target = rest.split(":", 1)[0]
+    if not source.startswith("/") or not target.startswith("/"):
+        return None
+    real = Path(source).resolve()
+    if not any(real == root.resolve() or root.resolve() in real.parents for root in allowed):
+        return None
+    return f"{real}:{target}:ro"
+
 
 def engine_runs_gpus(client: docker.DockerClient) -> bool:
     """Whether the engine has a GPU-capable runtime (the NVIDIA container runtime) to honour device requests."""
@@ -95,6 +163,7 @@ def prepare(
     send_device_requests: bool,
     work_ended: Path | None = None,
     code: Path | None = None,
+    allowed_volumes: Sequence[Path] = (),
 ) -> DockerWorkerJobConfiguration:
     """A copy of the run's configuration that creates the E31 container for it.
 
@@ -105,14 +174,17 @@ def prepare(
     prepared.image = job.work.image
     prepared.command = f"python {ENTRY_MOUNT}"
     prepared.env = container_environment(configuration.env, job, devices)
-    prepared.volumes = mounts(data_dir, output_dir, code or job_folder, work_ended)
+    extra = [read_only_volume(volume, allowed_volumes) for volume in configuration.volumes]
+    prepared.volumes = mounts(data_dir, output_dir, code or job_folder, work_ended) + [v for v in extra if v]
     prepared.privileged = False
     prepared.auto_remove = False  # the supervisor reads the exit state (OOM) before removing it
     memory = job.request.memory_bytes
     prepared.mem_limit = str(memory) if memory else None
     prepared.memswap_limit = str(memory) if memory else None  # no swap beyond the limit
     prepared.labels = {**configuration.labels, "e31.job": job.name}
+    passed_on = {k: v for k, v in (configuration.container_create_kwargs or {}).items() if k in CREATE_OPTIONS}
     prepared.container_create_kwargs = {
+        **passed_on,
         **isolation(job, devices, send_device_requests),
         **({"working_dir": str(job_folder)} if job_folder else {}),
     }
@@ -149,13 +221,15 @@ class ContainerRuntime:
 
     def spec(self, placement: Placement) -> Spec:
         label = f"prefect.io/flow-run-id={placement.run_id}"  # prefect-docker labels the run's container so
-        return placement.spec(self.name, container_label=label)
+        return placement.spec(self.name, container_label=label,
+                              container_logs=bool(placement.configuration.stream_output))
 
     async def start(self, placement: Placement, supervisor: Supervisor) -> None:
         configuration = placement.configuration
         prepared = prepare(configuration, placement.job, placement.devices, placement.data_dir,
                            placement.output_dir, configuration._job_folder, self.send_gpus,
-                           placement.folder.work_ended_pipe, configuration.code_mount())
+                           placement.folder.work_ended_pipe, configuration.code_mount(),
+                           placement.settings.allowed_volumes)
         try:
             container, _ = await asyncio.to_thread(self.worker._create_and_start_container, prepared)
         except BaseException:

@@ -90,3 +90,51 @@ def test_a_deployments_relative_paths_are_read_from_its_folder(tmp_path: Path):
     assert job.output.to == f"file://{tmp_path}/outputs/{{flow_run.name}}/"
     configuration._code_folder = None
     assert configuration.job("nightly").data[0].source == "./data/train.csv"
+
+
+# -- prefect-docker's settings on an e31 pool ---------------------------------------------------
+
+
+def test_each_refused_docker_setting_is_named_with_the_e31_way_instead(tmp_path: Path):
+    settings = {"command": "python -m my.thing", "image": "acme/other:2", "mem_limit": "300m",
+                "memswap_limit": "600m", "privileged": True, "auto_remove": True,
+                "container_create_kwargs": {"shm_size": "1g", "ipc_mode": "host", "cap_add": ["SYS_ADMIN"],
+                                            "pid_mode": "host"},
+                "volumes": ["/etc:/host-etc", "named-volume:/data"]}
+    problems = {p.field: str(p) for p in container.setting_problems(settings, [tmp_path])}
+    assert set(problems) == {"command", "image", "mem_limit", "memswap_limit", "privileged", "auto_remove",
+                             "container_create_kwargs.ipc_mode", "container_create_kwargs.cap_add",
+                             "container_create_kwargs.pid_mode", "volumes"}
+    assert "use request.memory" in problems["mem_limit"]
+    assert "work.flow or work.command" in problems["command"]
+    assert "never run privileged" in problems["privileged"]
+    assert "use one of private, shareable, none" in problems["container_create_kwargs.ipc_mode"]
+    assert "E31_ALLOWED_VOLUMES" in problems["volumes"]
+
+
+def test_defaults_and_passed_on_settings_are_not_problems(tmp_path: Path):
+    (tmp_path / "datasets").mkdir()
+    settings = {"command": None, "image": None, "mem_limit": None, "privileged": False, "auto_remove": False,
+                "container_create_kwargs": {"shm_size": "2g", "ipc_mode": "shareable", "ulimits": []},
+                "volumes": [f"{tmp_path / 'datasets'}:/datasets"]}
+    assert container.setting_problems(settings, [tmp_path]) == []
+
+
+def test_allowed_volumes_are_mounted_read_only_and_symlinks_out_are_refused(tmp_path: Path):
+    allowed = tmp_path / "allowed"
+    (allowed / "set").mkdir(parents=True)
+    (allowed / "escape").symlink_to("/etc")
+    assert container.read_only_volume(f"{allowed}/set:/in:rw", [allowed]) == f"{allowed}/set:/in:ro"
+    assert container.read_only_volume(f"{allowed}/escape:/in", [allowed]) is None
+    assert container.read_only_volume(f"{allowed}/../x:/in", [allowed]) is None
+    assert container.read_only_volume("relative/path:/in", [allowed]) is None
+
+
+def test_the_pool_form_describes_every_docker_setting_as_it_works_on_e31():
+    from e31_prefect.worker import E31Variables, E31Worker
+
+    form = E31Worker.get_default_base_job_template()["variables"]["properties"]
+    for name in container.DOCKER_SETTINGS:
+        assert form[name]["description"] == container.DOCKER_SETTINGS[name]
+    assert "Refused" in form["command"]["description"]
+    assert E31Variables.model_fields["image"].default is None

@@ -137,6 +137,9 @@ class FakeConfiguration:
     def job(self) -> Job:
         return parse_job(self.raw)
 
+    def setting_problems(self, allowed_volumes: list[Path]) -> list:
+        return []
+
 
 def job_dict(tmp_path: Path, **request: Any) -> dict[str, Any]:
     return {"name": "train", "team": "vision", "work": {"command": ["true"]},
