@@ -289,8 +289,10 @@ def main() -> None:
             subprocess.run([bin_dir / "e31", "outputs", "retry", run_id], env=env, capture_output=True)
         states: dict[str, int] = {}
         billed: dict[str, float] = {}
+        completed: dict[str, bool] = {}
         for run_id in runs:
             run = client.read_flow_run(run_id)
+            completed[run_id] = bool(run.state and run.state.is_completed())
             name = run.state.name if run.state else "None"
             states[name] = states.get(name, 0) + 1
             for artifact in client.read_artifacts(artifact_filter=ArtifactFilter(
@@ -305,7 +307,8 @@ def main() -> None:
         try:
             ran = json.loads(bucket.get_object(Bucket="chaos", Key=f"{run_id}/ran.json")["Body"].read())
         except bucket.exceptions.NoSuchKey:
-            lost += 1
+            # Lost: the run completed (its flow wrote ran.json) or never ended, yet ran.json is not there.
+            lost += int(run_id in pending or completed.get(run_id, False))
             continue
         spans.append((ran["devices"], datetime.fromisoformat(ran["started"]), datetime.fromisoformat(ran["ended"])))
     twice = 0

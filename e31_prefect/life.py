@@ -72,7 +72,18 @@ class Ends(Exception):
         self.ending = ending
 
 
-def judge(record: Record | None, flow_state: State | None, died: Ending, job: Job) -> Ending | None:
+def output_tail(path: Path, lines: int = 5, limit: int = 800) -> str:
+    """The last lines the work wrote (its output log), for a message about how it died."""
+    try:
+        with open(path, "rb") as log:
+            log.seek(max(0, log.seek(0, os.SEEK_END) - 8192))
+            text = log.read().decode(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.strip().splitlines()[-lines:])[-limit:]
+
+
+def judge(record: Record | None, flow_state: State | None, died: Ending, job: Job, tail: str = "") -> Ending | None:
     """The ending a run deserves from how its work ended; None where the flow's own final state stands."""
     if record is None or record.ending is None:
         return died.saying("The run's supervisor left no record of how the work ended; outputs written so far "
@@ -96,7 +107,7 @@ def judge(record: Record | None, flow_state: State | None, died: Ending, job: Jo
             "API in time; e31 reports it. Its outputs were sent.")
     return died.saying(f"The run's {died.name.removesuffix('Died').lower()} died with exit code "
                        f"{record.exit_code} before the flow reported a final state; outputs written so far "
-                       "were kept.")
+                       "were kept." + (f" Its last output:\n{tail}" if tail else ""))
 
 
 def infrastructure_id(flow_run_id: UUID | str) -> str:
@@ -453,7 +464,7 @@ class JobLife:
         self.meter = meter_from(self.holding, record, self.worker.settings.stop_grace_seconds)
         self.worker.meters[self.run_id] = self.meter
         self._save()
-        ending = judge(record, await self._flow_state(), died, job)
+        ending = judge(record, await self._flow_state(), died, job, output_tail(self.folder.output_log))
         if ending is not None:
             self.report.step(ending.event, self.devices)
             await self._set_state(ending)

@@ -365,6 +365,17 @@ def test_judge_says_what_a_user_needs_to_act():
     assert died.is_(endings.CONTAINER_DIED) and "container died with exit code 137" in died.message
     assert "no such image" in judge(Record(ending="not-started", message="no such image"), None,
                                     endings.CONTAINER_DIED, JOB).message
+    told = judge(Record(ending="exited", exit_code=1), Running(), endings.PROCESS_DIED, JOB, "ImportError: torch")
+    assert told.message.endswith("Its last output:\nImportError: torch")
+
+
+def test_the_tail_of_the_works_output_is_its_last_lines(tmp_path):
+    from e31_prefect.life import output_tail
+
+    log = tmp_path / "output.log"
+    log.write_text("".join(f"line {n}\n" for n in range(10_000)))
+    assert output_tail(log) == "\n".join(f"line {n}" for n in range(9_995, 10_000))
+    assert output_tail(tmp_path / "missing.log") == ""
 
 
 # -- send -------------------------------------------------------------------------------------
