@@ -196,7 +196,7 @@ def test_sigterm_stops_a_worker_within_10_s_and_its_run_goes_on_for_the_next(pre
 
 def test_two_workers_on_one_host_never_rent_gpu_0_twice(prefect_server, tmp_path, pool):
     """Two pools, two E31_HOMEs, one host (one device-lock folder): GPU 0 is one run's at a time."""
-    runs = {name: submit(tmp_path, f"{pool}-{name[0]}", name, "{gpus: 1, max_duration: 5m}", seconds=3)
+    runs = {name: submit(tmp_path, f"{pool}-{name[0]}", name, "{gpus: 1, max_duration: 5m}", seconds=1)
             for name in ("a1", "a2", "b1", "b2")}
     workers = [Worker(f"{pool}-a", tmp_path / "home-a"), Worker(f"{pool}-b", tmp_path / "home-b")]
     try:
