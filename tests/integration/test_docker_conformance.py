@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import time
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 from uuid import UUID
@@ -231,3 +232,25 @@ def test_a_private_image_is_pulled_with_a_registry_credentials_block(
     run_id = contender.run_once()
     assert read_run(run_id).state.is_completed(), read_run(run_id).state
     assert contender.seen()["env"] is None
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_with_limit_one_the_high_priority_queue_goes_first_and_the_other_run_stays_in_the_pool(
+        kind, prefect_server, job_image, tmp_path, pool):
+    """`--limit 1` with a day-late run on a low-priority queue and a fresh run on the high-priority one."""
+    from prefect.states import Scheduled
+
+    # On e31 each run wants one of two declared GPUs: the run left behind must hold none of them.
+    variables = {"request": {"gpus": 1, "max_duration": "5m"}} if kind == "e31" else {}
+    contender = Contender(kind, tmp_path / kind, pool, job_image, variables)
+    with get_client(sync_client=True) as client:
+        for name, priority in (("urgent", 1), ("bulk", 5)):
+            client.create_work_queue(name=name, work_pool_name=contender.pool, priority=priority)
+        late = client.create_flow_run_from_deployment(
+            contender.deployment, work_queue_name="bulk",
+            state=Scheduled(scheduled_time=datetime.now(timezone.utc) - timedelta(days=1))).id
+        urgent = client.create_flow_run_from_deployment(contender.deployment, work_queue_name="urgent").id
+    worker = contender.worker("--run-once", "--limit", "1", E31_GPUS="2xH100")
+    assert worker.wait(timeout=240) == 0
+    assert read_run(urgent).state.is_completed(), read_run(urgent).state
+    assert read_run(late).state.is_scheduled(), read_run(late).state  # still the pool's, for the next worker
