@@ -15,14 +15,18 @@ not have e31-prefect installed.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import runpy
+import socket
+import threading
 import time
 import urllib.error
 import urllib.request
 from typing import Any
 
 WORK_ENDED_VARIABLE = "E31_WORK_ENDED"
+API_SOCKET_VARIABLE = "E31_API_SOCKET"  # the run's gateway to the Prefect API (see e31_prefect.gateway)
 _pipe: list[str] = []  # where to say it; taken out of the environment, so the flow's own code never sees it
 
 
@@ -104,11 +108,51 @@ def wait_for_api(api_url: str | None, seconds: float = 60.0) -> None:
             time.sleep(0.5)
 
 
+def forward_api(socket_path: str) -> str:
+    """Serve the job's Prefect URL on this network's loopback, each connection relayed to the run's
+    gateway socket (Prefect's client speaks TCP only). Returns the URL the job's Prefect uses."""
+    # A socket's path may be at most 107 bytes: a longer one is reached through its folder's descriptor.
+    folder, name = os.path.split(socket_path)
+    short_path = socket_path if len(socket_path) < 100 else f"/proc/self/fd/{os.open(folder, os.O_PATH)}/{name}"
+    listening = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listening.bind(("127.0.0.1", 0))
+    listening.listen(64)
+
+    def pump(source: socket.socket, sink: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while chunk := source.recv(65536):
+                sink.sendall(chunk)
+        with contextlib.suppress(OSError):
+            sink.shutdown(socket.SHUT_WR)
+
+    def relay(client: socket.socket) -> None:
+        with client, socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as gateway:
+            try:
+                gateway.connect(short_path)
+            except OSError:
+                return
+            back = threading.Thread(target=pump, args=(gateway, client), daemon=True)
+            back.start()
+            pump(client, gateway)
+            back.join()
+
+    def accept() -> None:
+        while True:
+            client, _ = listening.accept()
+            threading.Thread(target=relay, args=(client,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True, name="e31-api-forward").start()
+    return f"http://127.0.0.1:{listening.getsockname()[1]}/api"
+
+
 def main() -> None:
     """Run the flow run named by ``PREFECT__FLOW_RUN_ID`` with Prefect's engine."""
     path = os.environ.pop(WORK_ENDED_VARIABLE, None)
     if path:
         _pipe.append(path)
+    api_socket = os.environ.pop(API_SOCKET_VARIABLE, None)
+    if api_socket:
+        os.environ["PREFECT_API_URL"] = forward_api(api_socket)
     wait_for_api(os.environ.get("PREFECT_API_URL"))
     _say_before_reporting()
     runpy.run_module("prefect.engine", run_name="__main__", alter_sys=True)

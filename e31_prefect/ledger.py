@@ -80,8 +80,6 @@ class Spec:
     argv: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     cwd: str | None = None
-    user: int | None = None  # run the work as this uid/gid (process runtime)
-    group: int | None = None
     memory_bytes: int | None = None
     pids_limit: int | None = None
     container_label: str | None = None  # label=value naming the run's container, if the worker never names it
@@ -89,6 +87,14 @@ class Spec:
     container_logs: bool = False  # copy the container's output into the run's output log
     rented: str | None = None  # when the devices were rented: the meter's start, for the accounting line
     accounting: str | None = None  # the host's accounting file, where the supervisor appends the run's line
+    api_upstream: str | None = None  # the Prefect API the run's gateway forwards the job's own calls to
+    api_key: str | None = None  # the worker's credentials for it: an API key, or a server's auth string
+    api_auth_string: str | None = None
+    api_socket_fd: int | None = None  # the gateway's listening socket, inherited from the worker
+    private_network: bool = False  # a process job gets a network namespace of its own (loopback only)
+    job_user_locks: str | None = None  # run the process as a uid of its own, claimed in this lock folder
+    job_writable: list[str] = field(default_factory=list)  # folders that uid owns (its output dir, its home)
+    job_view: list[str] = field(default_factory=list)  # what the job must reach, whatever folders lie above
 
 
 @dataclass
@@ -108,6 +114,7 @@ class Record:
     ended: str | None = None  # the work's last process is gone
     exit_code: int | None = None
     ending: str | None = None  # "exited", "timed-out", "stopped", "out-of-memory", "not-started"
+    job_user: int | None = None  # the uid the process ran as, where it had one of its own
     message: str | None = None
 
     @property
@@ -126,10 +133,10 @@ def append_line(path: Path, data: Any) -> None:
         os.close(fd)
 
 
-def write_json(path: Path, data: Any) -> None:
+def write_json(path: Path, data: Any, mode: int = 0o644) -> None:
     """Replace ``path`` with ``data`` as JSON, atomically and durably."""
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(temporary, "w") as handle:
+    with open(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode), "w") as handle:
         json.dump(data, handle)
         handle.flush()
         os.fsync(handle.fileno())
@@ -174,6 +181,7 @@ class RunFolder:
     work_ended_pipe = property(lambda self: self.path / "work-ended")
     supervisor_log = property(lambda self: self.path / "supervisor.log")
     output_log = property(lambda self: self.path / "output.log")
+    api_socket = property(lambda self: self.path / "api.sock")
 
     def own(self) -> int | None:
         """Take the run's owner lock (an open file; None if a live worker owns the run).
@@ -202,9 +210,9 @@ class RunFolder:
         write_json(self.holding_file, asdict(holding))
 
     def write_spec(self, spec: Spec) -> None:
-        """Write what the supervisor will run."""
+        """Write what the supervisor will run (its environment and the API's credentials: for root alone)."""
         self.path.mkdir(parents=True, exist_ok=True)
-        write_json(self.spec_file, asdict(spec))
+        write_json(self.spec_file, asdict(spec), mode=0o600)
 
     def write_record(self, record: Record) -> None:
         """The supervisor's own record of the work (only the supervisor calls this)."""

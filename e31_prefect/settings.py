@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -45,6 +46,12 @@ class E31Settings(BaseSettings):
         default=True,
         description="Put each process run in a cgroup of its own where the host allows (memory and pids limits, "
         "every process killed at the end); false: its processes are found as its supervisor's descendants.",
+    )
+    job_users: Literal["auto", "worker"] = Field(
+        default="auto",
+        description="auto: where the worker runs as root, each process job runs as a uid of its own "
+        "(61000-61999, no account needed), in a network of its own that reaches only its Prefect gateway; "
+        "worker: process jobs run as the worker's user, with the worker's network.",
     )
     stop_grace_seconds: float = Field(
         default=10.0,

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import socket
 import sys
 from collections.abc import Sequence
 
@@ -26,6 +27,22 @@ def make_work_ended_pipe(folder: RunFolder) -> None:
     os.chmod(folder.work_ended_pipe, 0o622)  # the job may run as another user; it only writes
 
 
+def make_api_socket(folder: RunFolder) -> socket.socket:
+    """The Unix socket the run's gateway serves the job's Prefect calls on; the job may run as another
+    user, and only its own supervisor's folder leads to it."""
+    with contextlib.suppress(FileNotFoundError):
+        folder.api_socket.unlink()
+    listening = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    folder_fd = os.open(folder.path, os.O_PATH | os.O_CLOEXEC)
+    try:  # by the folder's descriptor: a socket's path may be at most 107 bytes, a ledger's is longer
+        listening.bind(f"/proc/self/fd/{folder_fd}/{folder.api_socket.name}")
+    finally:
+        os.close(folder_fd)
+    os.chmod(folder.api_socket, 0o666)
+    listening.listen(64)
+    return listening
+
+
 class SupervisorGone(RuntimeError):
     """The supervisor ended without saying whether the work started."""
 
@@ -39,15 +56,22 @@ class Supervisor:
 
     @classmethod
     async def start(cls, folder: RunFolder, spec: Spec, lock_files: Sequence[int]) -> Supervisor:
-        """Write the spec and start the supervisor, handing it the open lock files of the run's devices."""
-        folder.write_spec(spec)
+        """Write the spec and start the supervisor, handing it the open lock files of the run's devices
+        and the listening socket of the run's API gateway (made here, so it exists before a container
+        that mounts it is created)."""
         make_work_ended_pipe(folder)
-        with open(folder.supervisor_log, "ab") as log:
-            process = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "e31_prefect.supervisor", str(folder.path),
-                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.DEVNULL, stderr=log,
-                start_new_session=True,  # a signal to the worker's group (Ctrl-C, a service stop) is not its
-                pass_fds=tuple(lock_files), cwd="/")
+        with contextlib.ExitStack() as held:
+            if spec.api_upstream:
+                listening = held.enter_context(make_api_socket(folder))
+                spec.api_socket_fd = listening.fileno()
+                lock_files = (*lock_files, listening.fileno())
+            folder.write_spec(spec)
+            with open(folder.supervisor_log, "ab") as log:
+                process = await asyncio.create_subprocess_exec(
+                    sys.executable, "-m", "e31_prefect.supervisor", str(folder.path),
+                    stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.DEVNULL, stderr=log,
+                    start_new_session=True,  # a signal to the worker's group (Ctrl-C, a service stop) is not its
+                    pass_fds=tuple(lock_files), cwd="/")
         return cls(folder, process)
 
     @property

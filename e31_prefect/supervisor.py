@@ -28,6 +28,7 @@ import ctypes
 import os
 import selectors
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -37,7 +38,8 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any, Protocol
 
-from e31_prefect import cgroups
+from e31_prefect import cgroups, job_users, sandbox
+from e31_prefect.gateway import Gateway, auth_header
 from e31_prefect.ledger import Record, RunFolder, Spec, append_line, moment, now, this_process
 
 PR_SET_CHILD_SUBREAPER = 36
@@ -79,9 +81,11 @@ class Work(Protocol):
 class ProcessWork:
     """The work as a process in a session and cgroup of its own; the supervisor is its subreaper."""
 
-    def __init__(self, spec: Spec, log: Path, record: Record):
+    def __init__(self, spec: Spec, folder: RunFolder, record: Record):
         self.spec = spec
-        self.log = log
+        self.log = folder.output_log
+        self.ledger_folder = folder.path
+        self.record = record
         self.group = cgroups.RunGroup.create(f"run-{spec.run_id}", spec.memory_bytes, spec.pids_limit,
                                              None if spec.cgroups else cgroups.Mounts())
         record.cgroup = str(self.group.v2) if self.group.v2 else None
@@ -92,16 +96,38 @@ class ProcessWork:
         self._exit: Exit | None = None
 
     def start(self) -> str | None:
-        files = self.group.join_files
+        files, private, uid = self.group.join_files, self.spec.private_network, self._job_uid()
+        view = sandbox.plan_view(map(Path, self.spec.job_view)) if self.spec.job_view else None
+
+        def before_exec() -> None:  # as root, in the child: its cgroup, its namespaces, then its user
+            if files:
+                cgroups.join(files)
+            sandbox.enter(view, private)
+            if uid is not None:
+                os.setgroups([])
+                os.setgid(uid)
+                os.setuid(uid)
+
         with open(self.log, "ab") as out:
             self.process = subprocess.Popen(
                 self.spec.argv, env=self.spec.env, cwd=self.spec.cwd, stdin=subprocess.DEVNULL,
                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                user=self.spec.user, group=self.spec.group,
-                extra_groups=[] if self.spec.group is not None else None,
-                preexec_fn=(lambda: cgroups.join(files)) if files else None)
+                preexec_fn=before_exec if files or private or view or uid is not None else None)
         self._pidfd = os.pidfd_open(self.process.pid)
         return str(self.process.pid)
+
+    def _job_uid(self) -> int | None:
+        """The uid of the job's own (held by this supervisor until it exits), its folders handed over."""
+        if not self.spec.job_user_locks:
+            return None
+        user = job_users.claim(Path(self.spec.job_user_locks))
+        if user is None:
+            raise RuntimeError(f"every job uid of this host ({job_users.JOB_UIDS}) is held by a running job")
+        self._user = user  # its lock stays open as long as the supervisor runs
+        job_users.hand_over(user.uid, Path(self.spec.cwd or "."), [Path(p) for p in self.spec.job_writable],
+                            self.ledger_folder)
+        self.record.job_user = user.uid
+        return user.uid
 
     def fileno(self) -> int:
         return self._pidfd
@@ -333,6 +359,18 @@ class Supervisor:
             return 0
         self.record.infrastructure, self.record.started = infrastructure, now().isoformat()
         self.save()
+        # Served only once the work is started: a thread must not run while the work's process forks.
+        gateway = _serve_gateway(self.spec)
+        try:
+            exit_ = self._supervise(pipe)
+        finally:
+            if gateway is not None:
+                gateway.close()
+        self._finish(exit_)
+        return 0
+
+    def _supervise(self, pipe: int) -> Exit:
+        """Until the work ends: its end said, stop requests, the time limit."""
         selector = selectors.DefaultSelector()
         selector.register(self.work.fileno(), selectors.EVENT_READ, "work")
         selector.register(pipe, selectors.EVENT_READ, "work-ended")
@@ -346,10 +384,8 @@ class Supervisor:
                         os.read(self.wake, 512)
             exit_ = self.work.ended()
             if exit_ is not None:
-                break
+                return exit_
             self._enforce()
-        self._finish(exit_)
-        return 0
 
     def _seconds_to_next(self) -> float:
         """Until the next thing to do (at most a second, so the work's state is read often)."""
@@ -439,6 +475,18 @@ def _signal_pipe(stop: threading.Event) -> int:
     return read
 
 
+def _serve_gateway(spec: Spec) -> Gateway | None:
+    """The run's API gateway on the socket the worker made (None: the job talks to no Prefect API)."""
+    if spec.api_upstream is None or spec.api_socket_fd is None:
+        return None
+    listening = socket.socket(fileno=spec.api_socket_fd)
+    os.set_inheritable(listening.fileno(), False)  # the work never holds it
+    gateway = Gateway(listening, spec.api_upstream, spec.run_id, auth_header(spec.api_key, spec.api_auth_string),
+                      token=spec.api_key or spec.api_auth_string)
+    gateway.serve()
+    return gateway
+
+
 def _become_subreaper() -> None:
     # The work's orphans (a double-forked daemon) are reparented here, not to init: the
     # supervisor can find and kill them where the host gives it no cgroup.
@@ -469,7 +517,7 @@ def main(argv: list[str] | None = None) -> int:
     if spec.runtime == "container":
         work: Work = ContainerWork(spec, _container_names(), log=folder.output_log)
     else:
-        work = ProcessWork(spec, folder.output_log, record)
+        work = ProcessWork(spec, folder, record)
     return Supervisor(folder, spec, work, record, stop, wake).run()
 
 

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from e31_prefect.supervision import Supervisor
 
 WORK_ENDED_VARIABLE = "E31_WORK_ENDED"  # the pipe the job's entry writes to when its work is done
+API_SOCKET_VARIABLE = "E31_API_SOCKET"  # the run's gateway to the Prefect API (e31_prefect.gateway)
 DEFAULT_PIDS_LIMIT = 4096
 
 
@@ -53,14 +54,23 @@ class Placement:
         return self.workspace / "output"
 
     def spec(self, runtime: str, **fields: Any) -> Spec:
-        """The supervisor's spec for this run: its bounds, and what ``fields`` add."""
+        """The supervisor's spec for this run: its bounds, its API gateway, and what ``fields`` add."""
+        from prefect.settings import get_current_settings
+
+        api = get_current_settings().api
         return Spec(run_id=self.run_id, runtime=runtime,
+                    api_upstream=str(api.url) if api.url else None,
+                    api_key=_secret(api.key), api_auth_string=_secret(api.auth_string),
                     stop_at=self.stop_at.isoformat() if self.stop_at else None,
                     grace_seconds=self.settings.stop_grace_seconds,
                     report_grace_seconds=self.settings.report_grace_seconds,
                     memory_bytes=self.job.request.memory_bytes, pids_limit=DEFAULT_PIDS_LIMIT,
                     cgroups=self.settings.cgroups, rented=self.rented.isoformat(),
                     accounting=str(self.settings.accounting), **fields)
+
+
+def _secret(value: Any) -> str | None:
+    return value.get_secret_value() if value is not None else None
 
 
 class Runtime(Protocol):
@@ -87,7 +97,19 @@ def runtime_for(job: Job, worker: Any, configuration: Any) -> Runtime:
         return ContainerRuntime(worker, configuration)
     from e31_prefect.runtimes.process import ProcessRuntime
 
-    return ProcessRuntime()
+    return ProcessRuntime(worker.settings, configuration)
+
+
+# Prefect settings a job never receives: the API's credentials, the server's own (its database URL),
+# the API URL itself (the job's is its gateway's, set by its entry) and the worker's home and profiles
+# (a job's Prefect keeps its own, in its workspace).
+WITHHELD_PREFECT = ("PREFECT_API_KEY", "PREFECT_API_AUTH_STRING", "PREFECT_API_URL", "PREFECT_SERVER_",
+                    "PREFECT_API_DATABASE", "PREFECT_API_SERVICES", "PREFECT_HOME", "PREFECT_PROFILES_PATH")
+
+
+def prefect_environment(env: dict[str, str | None]) -> dict[str, str]:
+    """Prefect's variables for the run (its flow run id, settings the worker passes on), without secrets."""
+    return {k: v for k, v in env.items() if v is not None and not k.startswith(WITHHELD_PREFECT)}
 
 
 def job_environment(job: Job, devices: Sequence[Device], data_dir: PurePath | str,

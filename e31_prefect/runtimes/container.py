@@ -22,7 +22,14 @@ from e31_prefect import endings, job_entry
 from e31_prefect.inventory import Device
 from e31_prefect.job import Job, Problem
 from e31_prefect.ledger import Spec
-from e31_prefect.runtimes import DEFAULT_PIDS_LIMIT, WORK_ENDED_VARIABLE, Placement, job_environment
+from e31_prefect.runtimes import (
+    API_SOCKET_VARIABLE,
+    DEFAULT_PIDS_LIMIT,
+    WORK_ENDED_VARIABLE,
+    Placement,
+    job_environment,
+    prefect_environment,
+)
 
 if TYPE_CHECKING:
     from prefect_docker.worker import DockerWorker, DockerWorkerJobConfiguration
@@ -33,6 +40,10 @@ DATA_MOUNT = "/e31/data"
 OUTPUT_MOUNT = "/e31/output"
 ENTRY_MOUNT = "/e31/bin/job_entry.py"  # e31's job entry, mounted: any image with Prefect can run it
 WORK_ENDED_MOUNT = "/e31/control/work-ended"
+API_SOCKET_MOUNT = "/e31/control/api.sock"
+# The job's entry sets its own loopback URL for the gateway; a placeholder that is not a loopback
+# address keeps prefect-docker from adding a host-gateway entry a container with no network cannot use.
+GATEWAY_PLACEHOLDER_URL = "http://e31-gateway.invalid/api"
 GpuRequests = Literal["auto", "on", "off"]
 
 # prefect-docker's job variables as they work on an e31 pool: the pool's form shows these words.
@@ -42,7 +53,8 @@ DOCKER_SETTINGS = {
     "registry_credentials": "A DockerRegistryCredentials block: the worker logs in with it to pull a job's image.",
     "image_pull_policy": "For jobs with an image: when the worker pulls it (IfNotPresent for tagged images).",
     "networks": "Docker networks job containers join (instead of the network mode).",
-    "network_mode": "Network mode of job containers; host when the Prefect API is on this host's loopback.",
+    "network_mode": "Network mode of job containers (default none: a job reaches only its own flow run's "
+                    "Prefect calls, through its gateway). Given one, a job reaches what that network does.",
     "volumes": "Host folders mounted read-only into job containers (SOURCE:TARGET); each must lie under a folder "
                "the host allows (E31_ALLOWED_VOLUMES). Others are refused.",
     "stream_output": "Copy a job container's output into the run's output log (and `e31 run`'s console).",
@@ -118,9 +130,11 @@ def device_requests(devices: Sequence[Device], send: bool) -> list[docker.types.
 def container_environment(base: dict[str, str | None], job: Job, devices: Sequence[Device]) -> dict[str, str]:
     """Prefect's environment for the run, the job's own, its devices and its dirs; nothing of the host's."""
     return {
-        **{k: v for k, v in base.items() if v is not None},
+        **prefect_environment(base),
+        "PREFECT_API_URL": GATEWAY_PLACEHOLDER_URL,
         **job_environment(job, devices, DATA_MOUNT, OUTPUT_MOUNT),
         WORK_ENDED_VARIABLE: WORK_ENDED_MOUNT,
+        API_SOCKET_VARIABLE: API_SOCKET_MOUNT,
     }
 
 
@@ -140,16 +154,19 @@ def isolation(job: Job, devices: Sequence[Device], send_device_requests: bool,
     return options
 
 
-def mounts(data_dir: Path, output_dir: Path, code: Path | None, work_ended: Path | None = None) -> list[str]:
+def mounts(data_dir: Path, output_dir: Path, code: Path | None, work_ended: Path | None = None,
+           api_socket: Path | None = None) -> list[str]:
     """Data read-only, output writable, the job's code read-only at its own path (its folder, or the
-    project folder holding it and its flow), e31's job entry read-only, and the pipe the job says its
-    work ended on."""
+    project folder holding it and its flow), e31's job entry read-only, the pipe the job says its
+    work ended on, and its gateway to the Prefect API."""
     volumes = [f"{data_dir}:{DATA_MOUNT}:ro", f"{output_dir}:{OUTPUT_MOUNT}:rw"]
     if code is not None:
         volumes.append(f"{code}:{code}:ro")
     volumes.append(f"{job_entry.__file__}:{ENTRY_MOUNT}:ro")
     if work_ended is not None:
         volumes.append(f"{work_ended}:{WORK_ENDED_MOUNT}:rw")
+    if api_socket is not None:
+        volumes.append(f"{api_socket}:{API_SOCKET_MOUNT}:rw")
     return volumes
 
 
@@ -164,6 +181,7 @@ def prepare(
     work_ended: Path | None = None,
     code: Path | None = None,
     allowed_volumes: Sequence[Path] = (),
+    api_socket: Path | None = None,
 ) -> DockerWorkerJobConfiguration:
     """A copy of the run's configuration that creates the E31 container for it.
 
@@ -175,7 +193,11 @@ def prepare(
     prepared.command = f"python {ENTRY_MOUNT}"
     prepared.env = container_environment(configuration.env, job, devices)
     extra = [read_only_volume(volume, allowed_volumes) for volume in configuration.volumes]
-    prepared.volumes = mounts(data_dir, output_dir, code or job_folder, work_ended) + [v for v in extra if v]
+    prepared.volumes = mounts(data_dir, output_dir, code or job_folder, work_ended, api_socket) + [
+        v for v in extra if v]
+    # The job reaches Prefect through its gateway's socket; no network unless the pool's operator gave one.
+    if not configuration.network_mode and not configuration.networks:
+        prepared.network_mode = "none"
     prepared.privileged = False
     prepared.auto_remove = False  # the supervisor reads the exit state (OOM) before removing it
     memory = job.request.memory_bytes
@@ -229,7 +251,7 @@ class ContainerRuntime:
         prepared = prepare(configuration, placement.job, placement.devices, placement.data_dir,
                            placement.output_dir, configuration._job_folder, self.send_gpus,
                            placement.folder.work_ended_pipe, configuration.code_mount(),
-                           placement.settings.allowed_volumes)
+                           placement.settings.allowed_volumes, placement.folder.api_socket)
         try:
             container, _ = await asyncio.to_thread(self.worker._create_and_start_container, prepared)
         except BaseException:

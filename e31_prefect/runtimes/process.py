@@ -7,47 +7,104 @@ kills every process of it at the end.
 
 from __future__ import annotations
 
+import asyncio
 import os
+import stat
 import sys
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from e31_prefect import endings
+from e31_prefect.job_users import JOB_UIDS
 from e31_prefect.ledger import Spec
-from e31_prefect.runtimes import WORK_ENDED_VARIABLE, Placement, job_environment
+from e31_prefect.runtimes import (
+    API_SOCKET_VARIABLE,
+    WORK_ENDED_VARIABLE,
+    Placement,
+    job_environment,
+    prefect_environment,
+)
 
 if TYPE_CHECKING:
+    from e31_prefect.settings import E31Settings
     from e31_prefect.supervision import Supervisor
 
-# Environment a job never inherits from its worker: storage credentials and the worker's own settings.
-WITHHELD_PREFIXES = ("AWS_", "AZURE_", "GOOGLE_APPLICATION_CREDENTIALS", "E31_")
+# All a job takes from its worker's environment: where programs and Python's modules are, and the locale.
+# Nothing else (credentials, the worker's settings) reaches it.
+HOST_VARIABLES = ("PATH", "PYTHONPATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ")
 
 
 class ProcessRuntime:
-    """A run as a local process under its supervisor."""
+    """A run as a local process under its supervisor: as a user of its own, in a network of its own, where
+    the worker runs as root (and the pool's ``job_users`` is ``auto``)."""
 
     name = "process"
     died = endings.PROCESS_DIED
 
+    def __init__(self, settings: E31Settings, configuration: Any):
+        self.settings = settings
+        self.configuration = configuration
+        self.isolated = settings.job_users == "auto" and os.geteuid() == 0
+
     async def check(self) -> str | None:
+        if not self.isolated:
+            return None
+        unreadable = await asyncio.to_thread(unreadable_to_jobs, needed_paths(self.configuration))
+        if unreadable:
+            return (f"a job's own user (uid {JOB_UIDS[0]} and up) cannot read {', '.join(unreadable)}: make them "
+                    "readable to others (chmod o+rX on each folder down to them), or set E31_JOB_USERS=worker")
         return None
 
     def spec(self, placement: Placement) -> Spec:
+        home = placement.workspace / "home"
+        home.mkdir(parents=True, exist_ok=True)
+        view = [*needed_paths(self.configuration), placement.workspace, placement.folder.path]
+        isolated = {"private_network": True, "job_user_locks": str(self.settings.device_locks),
+                    "job_writable": [str(placement.output_dir), str(home)],
+                    "job_view": [str(path) for path in view]} if self.isolated else {}
         return placement.spec(
-            self.name, argv=[sys.executable, "-m", "e31_prefect.job_entry"], env=environment(placement),
-            cwd=str(placement.workspace))
+            self.name, argv=[sys.executable, "-m", "e31_prefect.job_entry"], env=environment(placement, home),
+            cwd=str(placement.workspace), **isolated)
 
     async def start(self, placement: Placement, supervisor: Supervisor) -> None:
         return None  # the supervisor starts the process itself
 
 
-def environment(placement: Placement) -> dict[str, str]:
-    """The job's environment: the host's (no credentials, no e31 settings), Prefect's, the job's own."""
-    from prefect.settings import PREFECT_API_URL
+def needed_paths(configuration: Any) -> list[Path]:
+    """What a job's process reads besides its workspace: Python (its environment and its base), Prefect,
+    e31's entry, what PYTHONPATH adds, the job's code."""
+    import prefect
 
-    inherited = {k: v for k, v in os.environ.items() if not k.startswith(WITHHELD_PREFIXES)}
-    prefect_env = {k: v for k, v in placement.configuration.env.items() if v is not None}
-    # prefect-docker rewrites a loopback API URL for containers; a local process uses the worker's own.
-    prefect_env["PREFECT_API_URL"] = PREFECT_API_URL.value() or prefect_env.get("PREFECT_API_URL", "")
-    return {**inherited, **prefect_env,
+    import e31_prefect
+
+    paths = [Path(sys.prefix), Path(sys.base_prefix), Path(prefect.__file__).parent,
+             Path(e31_prefect.__file__).parent]
+    paths += [Path(entry) for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry]
+    code = configuration.code_mount() if configuration is not None else None
+    return paths + ([code] if code is not None else [])
+
+
+def unreadable_to_jobs(paths: list[Path]) -> list[str]:
+    """Those of ``paths`` a job's own user could not read (the folders above them are shown to it
+    whatever their modes: :mod:`e31_prefect.sandbox`)."""
+    def readable(path: Path) -> bool:
+        try:
+            mode = os.stat(path).st_mode
+        except OSError:
+            return False
+        bits = stat.S_IROTH | (stat.S_IXOTH if stat.S_ISDIR(mode) else 0)
+        return mode & bits == bits
+
+    return [str(path) for path in paths if not readable(path)]
+
+
+def environment(placement: Placement, home: Path) -> dict[str, str]:
+    """The job's environment, explicit: paths and locale, a home in its workspace (Prefect's own there
+    too, so no profile of the worker's is read), Prefect's variables for the run, the job's own, its
+    devices and dirs, and its gateway to the Prefect API."""
+    host = {k: os.environ[k] for k in HOST_VARIABLES if k in os.environ}
+    return {**host, "HOME": str(home), "PREFECT_HOME": str(home / ".prefect"),
+            **prefect_environment(placement.configuration.env),
             **job_environment(placement.job, placement.devices, placement.data_dir, placement.output_dir),
-            WORK_ENDED_VARIABLE: str(placement.folder.work_ended_pipe)}
+            WORK_ENDED_VARIABLE: str(placement.folder.work_ended_pipe),
+            API_SOCKET_VARIABLE: str(placement.folder.api_socket)}

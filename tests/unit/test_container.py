@@ -46,18 +46,25 @@ def test_isolation_drops_every_privilege_and_applies_the_request():
 
 
 def test_prepared_container_mounts_data_read_only_and_hides_host_environment(tmp_path: Path):
-    base = DockerWorkerJobConfiguration(image="ignored", env={"PREFECT_API_URL": "http://127.0.0.1:4200/api",
-                                                              "PREFECT__FLOW_RUN_ID": "abc", "UNSET": None})
+    base = DockerWorkerJobConfiguration(image="ignored", env={
+        "PREFECT_API_URL": "http://127.0.0.1:4200/api", "PREFECT_API_KEY": "pnu_secret",
+        "PREFECT_API_AUTH_STRING": "admin:pass", "PREFECT_SERVER_DATABASE_CONNECTION_URL": "postgresql://u:pw@db/p",
+        "PREFECT__FLOW_RUN_ID": "abc", "UNSET": None})
     prepared = container.prepare(base, job(gpus=2, memory="512m"), H100S, tmp_path / "data", tmp_path / "out",
-                                 tmp_path, send_device_requests=False, work_ended=tmp_path / "work-ended")
+                                 tmp_path, send_device_requests=False, work_ended=tmp_path / "work-ended",
+                                 api_socket=tmp_path / "api.sock")
     assert prepared.image == "acme/trainer:1"
     assert prepared.command == "python /e31/bin/job_entry.py"  # Prefect's engine, saying when the work ends
     assert prepared.privileged is False and prepared.auto_remove is False
     assert prepared.volumes == [f"{tmp_path / 'data'}:/e31/data:ro", f"{tmp_path / 'out'}:/e31/output:rw",
                                 f"{tmp_path}:{tmp_path}:ro", f"{job_entry.__file__}:/e31/bin/job_entry.py:ro",
-                                f"{tmp_path / 'work-ended'}:/e31/control/work-ended:rw"]
+                                f"{tmp_path / 'work-ended'}:/e31/control/work-ended:rw",
+                                f"{tmp_path / 'api.sock'}:/e31/control/api.sock:rw"]
+    # No credential and no route to the real API: the job's entry serves its Prefect URL from the socket.
+    assert prepared.network_mode == "none"
     assert prepared.env == {
-        "PREFECT_API_URL": "http://127.0.0.1:4200/api", "PREFECT__FLOW_RUN_ID": "abc", "SEED": "7",
+        "PREFECT_API_URL": container.GATEWAY_PLACEHOLDER_URL, "E31_API_SOCKET": "/e31/control/api.sock",
+        "PREFECT__FLOW_RUN_ID": "abc", "SEED": "7",
         "CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "1,2", "NVIDIA_VISIBLE_DEVICES": "1,2",
         "E31_DATA_DIR": "/e31/data", "E31_OUTPUT_DIR": "/e31/output", "E31_WORK_ENDED": "/e31/control/work-ended",
         **result_environment("/e31/output"),  # the flow's result is persisted with its outputs

@@ -1,0 +1,438 @@
+"""The Prefect API as a running job reaches it: only its own flow run's calls, with the worker's credentials.
+
+A job's code is not trusted, and Prefect's open-source API answers anyone who reaches it with
+everything it holds (every block document's secrets, every variable, every other run). So a job
+never reaches it: its supervisor serves this gateway on a Unix socket in the run's ledger folder,
+the job's entry forwards its loopback Prefect URL to that socket from inside the job's own network
+namespace (or its container with no network), and the gateway forwards only what Prefect's engine
+needs for the job's own flow run: its state, its task runs and subflows, logs, artifacts and events
+(so the UI shows them all). It refuses everything else with 403 and a line saying why.
+
+Which runs are the job's own is learned as it goes: its flow run, the task runs and subflow runs it
+creates, the deployment its flow run names, the artifacts it creates.
+
+Only the standard library: it runs in the supervisor.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import http.client
+import json
+import re
+import socket
+import ssl
+import sys
+import threading
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler
+from socketserver import ThreadingMixIn, UnixStreamServer
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+from e31_prefect.websocket_frames import CLOSE, TEXT, Frame, FrameError, encode, read_frame
+
+JOB_API_PATH = "/api"  # the job's PREFECT_API_URL is http://127.0.0.1:PORT/api, whatever the real one is
+MAX_BODY_BYTES = 64 * 2**20  # a batch of logs or an artifact; more is not a Prefect call
+_ID = r"([0-9a-fA-F-]{36})"
+HOP_BY_HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer", "upgrade",
+              "proxy-authorization", "proxy-authenticate", "host", "content-length", "accept-encoding",
+              "authorization"}
+
+
+@dataclass
+class Owned:
+    """What a job's flow run is allowed to touch: its own runs and what it created."""
+
+    flow_runs: set[str]
+    task_runs: set[str] = field(default_factory=set)
+    deployments: set[str] = field(default_factory=set)
+    artifacts: set[str] = field(default_factory=set)
+    work_queues: set[str] = field(default_factory=set)  # its flow run's queue and pool, which Prefect's
+    work_pools: set[str] = field(default_factory=set)  # engine names on each event it sends
+
+    def _entry_is_owned(self, entry: Any) -> bool:
+        # A task's logs and artifacts carry its flow run's id; its task run may be known only to the
+        # events it sent (Prefect reports task runs by events), so the flow run decides.
+        if not isinstance(entry, dict):
+            return False
+        flow_run, task_run = entry.get("flow_run_id"), entry.get("task_run_id")
+        if flow_run is not None:
+            return str(flow_run).lower() in self.flow_runs
+        return task_run is not None and str(task_run).lower() in self.task_runs
+
+
+def _body_json(body: bytes) -> Any:
+    try:
+        return json.loads(body) if body else None
+    except ValueError:
+        return None
+
+
+def _always(owned: Owned, ids: tuple[str, ...], body: Any) -> bool:
+    return True
+
+
+def _own_flow_run(owned: Owned, ids: tuple[str, ...], body: Any) -> bool:
+    return ids[0] in owned.flow_runs
+
+
+def _own_task_run(owned: Owned, ids: tuple[str, ...], body: Any) -> bool:
+    return ids[0] in owned.task_runs
+
+
+def _own_deployment(owned: Owned, ids: tuple[str, ...], body: Any) -> bool:
+    return ids[0] in owned.deployments
+
+
+def _own_work_queue(owned: Owned, ids: tuple[str, ...], body: Any) -> bool:
+    return ids[0] in owned.work_queues
+
+
+def _own_work_pool(owned: Owned, ids: tuple[str, ...], body: Any) -> bool:
+    return ids[0] in owned.work_pools
+
+
+def _own_artifact(owned: Owned, ids: tuple[str, ...], body: Any) -> bool:
+    return ids[0] in owned.artifacts
+
+
+def _subflow_of_own_task(owned: Owned, ids: tuple[str, ...], body: Any) -> bool:
+    # Prefect's engine creates a subflow's run with the task run that stands for it in its parent.
+    return isinstance(body, dict) and str(body.get("parent_task_run_id")) in owned.task_runs
+
+
+def _filter_of_own_runs(owned: Owned, ids: tuple[str, ...], body: Any) -> bool:
+    # Prefect's engine reads flow runs by filter twice: the subflow a parent task already has (by
+    # parent_task_run_id) and whether its own run was suspended or cancelled (by id). Either way the
+    # filter must name only the job's own runs or tasks, with every other condition narrowing it.
+    if not isinstance(body, dict) or any(body.get(other) for other in
+                                         ("flows", "task_runs", "deployments", "work_pools", "work_pool_queues")):
+        return False
+    flow_runs = body.get("flow_runs")
+    if not isinstance(flow_runs, dict) or flow_runs.get("operator", "and_") != "and_":
+        return False
+    for key, known in (("id", owned.flow_runs), ("parent_task_run_id", owned.task_runs)):
+        condition = flow_runs.get(key)
+        wanted = condition.get("any_") if isinstance(condition, dict) else None
+        if isinstance(wanted, list) and wanted and all(str(i).lower() in known for i in wanted):
+            return True
+    return False
+
+
+def _task_of_own_flow(owned: Owned, ids: tuple[str, ...], body: Any) -> bool:
+    return isinstance(body, dict) and str(body.get("flow_run_id")) in owned.flow_runs
+
+
+def _own_entries(owned: Owned, ids: tuple[str, ...], body: Any) -> bool:
+    entries = body if isinstance(body, list) else [body]
+    return bool(entries) and all(owned._entry_is_owned(entry) for entry in entries)
+
+
+# (method, path under the API root, check): Prefect's engine's calls for one flow run, and nothing else.
+ROUTES: list[tuple[str, re.Pattern[str], Any]] = [
+    (method, re.compile(pattern), check) for method, pattern, check in [
+        ("GET", r"/health", _always),
+        ("GET", r"/admin/version", _always),
+        ("GET", r"/csrf-token", _always),
+        ("GET", r"/admin/storage", _always),  # where the server keeps results by default (a block's id)
+        ("GET", rf"/flow_runs/{_ID}", _own_flow_run),
+        ("PATCH", rf"/flow_runs/{_ID}", _own_flow_run),
+        ("PATCH", rf"/flow_runs/{_ID}/labels", _own_flow_run),
+        ("POST", rf"/flow_runs/{_ID}/set_state", _own_flow_run),
+        ("GET", rf"/flow_runs/{_ID}/input(?:/[^/]+)?", _own_flow_run),
+        ("POST", rf"/flow_runs/{_ID}/input(?:/[^/]+)?", _own_flow_run),
+        ("POST", r"/flow_runs/?", _subflow_of_own_task),
+        ("POST", r"/flow_runs/filter", _filter_of_own_runs),
+        ("GET", rf"/deployments/{_ID}", _own_deployment),
+        ("GET", rf"/work_queues/{_ID}", _own_work_queue),
+        ("GET", r"/work_pools/([^/]+)", _own_work_pool),
+        ("GET", rf"/flows/{_ID}", _always),  # a flow is a name; its runs are what is guarded
+        ("POST", r"/flows/?", _always),
+        ("POST", r"/task_runs/?", _task_of_own_flow),
+        ("GET", rf"/task_runs/{_ID}", _own_task_run),
+        ("POST", rf"/task_runs/{_ID}/set_state", _own_task_run),
+        ("POST", r"/logs/?", _own_entries),
+        ("POST", r"/artifacts/?", _own_entries),
+        ("PATCH", rf"/artifacts/{_ID}", _own_artifact),
+        ("GET", r"/events/in", _always),  # the events websockets, judged message by message
+        ("GET", r"/events/out", _always),
+    ]
+]
+
+
+def refusal(method: str, route: str, body: Any, owned: Owned) -> str | None:
+    """Why the gateway refuses this call (None: it passes). ``route`` is the path under the API root."""
+    for allowed_method, pattern, check in ROUTES:
+        matched = pattern.fullmatch(route)
+        if matched and method == allowed_method:
+            ids = tuple(unquote(i).lower() for i in matched.groups())
+            if check(owned, ids, body):
+                return None
+            return f"{method} {route} touches a run or object that is not this job's own"
+    return f"{method} {route} is not a call a job's own flow run needs"
+
+
+def learn(method: str, route: str, answer: Any, owned: Owned) -> None:
+    """Record what a passed call created or named: the job's task runs, subflows, deployment, artifacts."""
+    if method == "POST" and route == "/flow_runs/filter" and isinstance(answer, list):
+        owned.flow_runs.update(str(run["id"]).lower() for run in answer if isinstance(run, dict) and "id" in run)
+        return
+    if not isinstance(answer, dict) or "id" not in answer:
+        return
+    created = str(answer["id"]).lower()
+    if method == "POST" and re.fullmatch(r"/task_runs/?", route):
+        owned.task_runs.add(created)
+    elif method == "POST" and re.fullmatch(r"/flow_runs/?", route):
+        owned.flow_runs.add(created)
+    elif method == "POST" and re.fullmatch(r"/artifacts/?", route):
+        owned.artifacts.add(created)
+    elif method == "GET" and re.fullmatch(rf"/flow_runs/{_ID}", route):
+        for key, known in (("deployment_id", owned.deployments), ("work_queue_id", owned.work_queues),
+                           ("work_pool_name", owned.work_pools)):
+            if answer.get(key):
+                known.add(str(answer[key]).lower())
+
+
+def _flow_runs_named(event: Any) -> list[str] | None:
+    """The flow run ids an event names (as its resource or a related one); None: not an event."""
+    if not isinstance(event, dict) or not isinstance(event.get("resource"), dict):
+        return None
+    resources = [event["resource"], *(r for r in event.get("related") or [] if isinstance(r, dict))]
+    ids = [str(r.get("prefect.resource.id", "")) for r in resources]
+    return [i.removeprefix("prefect.flow-run.").lower() for i in ids if i.startswith("prefect.flow-run.")]
+
+
+def event_from_job(event: Any, owned: Owned) -> bool:
+    """Whether an event the job sends may pass: it names no flow run but the job's own. A task run it
+    reports about its own flow run becomes the job's own."""
+    named = _flow_runs_named(event)
+    if named is None or not all(i in owned.flow_runs for i in named):
+        return False
+    resource = str(event["resource"].get("prefect.resource.id", ""))
+    if resource.startswith("prefect.task-run.") and named:
+        owned.task_runs.add(resource.removeprefix("prefect.task-run.").lower())
+    return True
+
+
+def event_for_job(event: Any, owned: Owned) -> bool:
+    """Whether an event of a subscription reaches the job: it is about one of the job's own runs."""
+    named = _flow_runs_named(event)
+    return bool(named) and all(i in owned.flow_runs for i in named)
+
+
+def auth_header(api_key: str | None, auth_string: str | None) -> dict[str, str]:
+    """The worker's credentials for the Prefect API, as the gateway adds them to each forwarded call."""
+    if api_key:
+        return {"Authorization": f"Bearer {api_key}"}
+    if auth_string:
+        return {"Authorization": "Basic " + base64.b64encode(auth_string.encode()).decode()}
+    return {}
+
+
+class _Server(ThreadingMixIn, UnixStreamServer):
+    daemon_threads = True
+    gateway: Gateway
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: _Server
+    upstream: http.client.HTTPConnection | None = None
+
+    def log_message(self, format: str, *args: Any) -> None:  # one line per refusal is logged instead
+        return
+
+    def address_string(self) -> str:
+        return "job"
+
+    def do_GET(self) -> None:
+        self._forward()
+
+    do_POST = do_PATCH = do_PUT = do_DELETE = do_GET
+
+    def _forward(self) -> None:
+        gateway = self.server.gateway
+        route = gateway.route(self.path)
+        if self.headers.get("Transfer-Encoding") or int(self.headers.get("Content-Length") or 0) > MAX_BODY_BYTES:
+            return self._answer(413, "a Prefect call's body has a length, under 64 MiB")
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        parsed = _body_json(body)
+        why = refusal(self.command, route, parsed, gateway.owned) if route is not None else "not the Prefect API"
+        if why is not None:
+            gateway._refuse(why)
+            return self._answer(403, f"e31: {why}; a running job reaches only its own flow run")
+        if self.headers.get("Upgrade", "").lower() == "websocket":
+            return self._relay_websocket()
+        headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP_BY_HOP}
+        headers.update(gateway.headers)
+        headers["Host"] = gateway.netloc
+        status, reason, answer_headers, answer = gateway.call(self.command, gateway.upstream_path(self.path), body,
+                                                              headers, self)
+        with contextlib.suppress(Exception):
+            learn(self.command, route, json.loads(answer) if answer else None, gateway.owned)
+        self.send_response(status, reason)
+        for name, value in answer_headers:
+            if name.lower() not in HOP_BY_HOP:
+                self.send_header(name, value)
+        self.send_header("Content-Length", str(len(answer)))
+        self.end_headers()
+        self.wfile.write(answer)
+
+    def _answer(self, status: int, detail: str) -> None:
+        payload = json.dumps({"detail": detail}).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+    def _relay_websocket(self) -> None:
+        """Prefect's events websockets, message by message: the handshake goes upstream with no
+        extension, the job's auth message carries the worker's token instead, the events it sends
+        must be about its own runs, and of the events it subscribed to it receives its own runs' only."""
+        gateway = self.server.gateway
+        route = gateway.route(self.path)
+        upstream = gateway.connect_raw()
+        lines = [f"GET {gateway.upstream_path(self.path)} HTTP/1.1", f"Host: {gateway.netloc}"]
+        lines += [f"{k}: {v}" for k, v in self.headers.items()
+                  if k.lower() not in ("host", "authorization", "sec-websocket-extensions")]
+        lines += [f"{k}: {v}" for k, v in gateway.headers.items()]
+        upstream.sendall(("\r\n".join(lines) + "\r\n\r\n").encode())
+        self.close_connection = True
+        from_upstream = upstream.makefile("rb")
+        handshake = b""
+        while not handshake.endswith(b"\r\n\r\n"):
+            line = from_upstream.readline(65536)
+            if not line:
+                break
+            handshake += line
+        self.connection.sendall(handshake)
+        if not handshake.startswith((b"HTTP/1.1 101", b"HTTP/1.0 101")):
+            upstream.close()
+            return
+        sender = threading.Thread(target=_pass_frames, daemon=True, args=(
+            from_upstream, self.connection, False, lambda text: gateway.to_job(route, text)))
+        sender.start()
+        _pass_frames(self.rfile, upstream, True, lambda text: gateway.from_job(route, text))
+        with contextlib.suppress(OSError):
+            upstream.shutdown(socket.SHUT_RDWR)
+        sender.join()
+        upstream.close()
+
+
+def _pass_frames(source: Any, sink: socket.socket, masked: bool, judge: Any) -> None:
+    """Copy frames from ``source`` to ``sink`` until either ends; each text message passes through
+    ``judge`` (its replacement, or None: dropped). A frame the gateway cannot read ends the relay."""
+    with contextlib.suppress(OSError, FrameError):
+        while (frame := read_frame(source)) is not None:
+            if frame.opcode == TEXT:
+                text = judge(frame.payload.decode("utf-8", "replace"))
+                if text is None:
+                    continue
+                frame = Frame(TEXT, text.encode())
+            sink.sendall(encode(frame, masked))
+            if frame.opcode == CLOSE:
+                break
+    with contextlib.suppress(OSError):
+        sink.shutdown(socket.SHUT_WR)
+
+
+class Gateway:
+    """One run's gateway to the Prefect API at ``upstream`` (``http(s)://host:port/api``)."""
+
+    def __init__(self, listening: socket.socket, upstream: str, flow_run_id: str, headers: dict[str, str],
+                 token: str | None = None):
+        split = urlsplit(upstream)
+        self.https = split.scheme == "https"
+        self.host, self.port = split.hostname or "127.0.0.1", split.port or (443 if self.https else 80)
+        self.netloc = split.netloc
+        self.base_path = split.path.rstrip("/")
+        self.headers = headers
+        self.token = token  # the API key or auth string, for the events websockets' own auth message
+        self.owned = Owned(flow_runs={flow_run_id.lower()})
+        self.refused: list[str] = []
+        self._local = threading.local()
+        self.server = _Server(listening.getsockname(), _Handler, bind_and_activate=False)
+        self.server.socket.close()
+        self.server.socket = listening
+        self.server.gateway = self
+
+    def from_job(self, route: str | None, text: str) -> str | None:
+        """A message the job sends on an events websocket, as it goes upstream (None: dropped)."""
+        try:
+            message = json.loads(text)
+        except ValueError:
+            return None
+        if isinstance(message, dict) and message.get("type") == "auth":
+            return json.dumps({"type": "auth", "token": self.token})
+        if route == "/events/out" and isinstance(message, dict) and message.get("type") == "filter":
+            return text  # what comes back is judged event by event
+        if route == "/events/in" and event_from_job(message, self.owned):
+            return text
+        self._refuse(f"an event naming another run on {route}")
+        return None
+
+    def to_job(self, route: str | None, text: str) -> str | None:
+        """A message the server sends on an events websocket, as the job receives it (None: dropped)."""
+        if route != "/events/out":
+            return text
+        try:
+            message = json.loads(text)
+        except ValueError:
+            return None
+        if isinstance(message, dict) and message.get("type") == "event":
+            return text if event_for_job(message.get("event"), self.owned) else None
+        return text
+
+    def _refuse(self, why: str) -> None:
+        self.refused.append(why)
+        print(f"gateway refused: {why}", file=sys.stderr, flush=True)
+
+    def route(self, path: str) -> str | None:
+        """The path under the API root the job asked for (None: not under it)."""
+        asked = urlsplit(path).path
+        if asked != JOB_API_PATH and not asked.startswith(JOB_API_PATH + "/"):
+            return None
+        return asked.removeprefix(JOB_API_PATH).rstrip("/") or "/"
+
+    def upstream_path(self, path: str) -> str:
+        """The same call's path (and query) on the real API."""
+        return self.base_path + path.removeprefix(JOB_API_PATH)
+
+    def connect_raw(self) -> socket.socket:
+        """A new connection to the Prefect API's host."""
+        raw = socket.create_connection((self.host, self.port), timeout=None)
+        if self.https:
+            return ssl.create_default_context().wrap_socket(raw, server_hostname=self.host)
+        return raw
+
+    def call(self, method: str, path: str, body: bytes, headers: dict[str, str],
+             handler: _Handler) -> tuple[int, str, list[tuple[str, str]], bytes]:
+        """Forward one call on the handler's own upstream connection (reconnecting once if it closed)."""
+        for attempt in (1, 2):
+            if handler.upstream is None:
+                cls = http.client.HTTPSConnection if self.https else http.client.HTTPConnection
+                handler.upstream = cls(self.host, self.port, timeout=300)
+            try:
+                handler.upstream.request(method, path, body=body or None, headers=headers)
+                response = handler.upstream.getresponse()
+                return response.status, response.reason, response.getheaders(), response.read()
+            except (OSError, http.client.HTTPException):
+                handler.upstream.close()
+                handler.upstream = None
+                if attempt == 2:
+                    return 502, "Bad Gateway", [], b'{"detail": "the Prefect API did not answer"}'
+        raise AssertionError("unreachable")
+
+    def serve(self) -> threading.Thread:
+        """Serve in a thread of its own until :meth:`close`."""
+        thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.5}, daemon=True)
+        thread.start()
+        return thread
+
+    def close(self) -> None:
+        """Stop serving."""
+        self.server.shutdown()
+        self.server.server_close()

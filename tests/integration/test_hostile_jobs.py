@@ -1,0 +1,141 @@
+"""A job's code tries what a hostile job would; it reaches only its own flow run, in either runtime.
+
+The job asks the Prefect API it was given for every block's secrets, the variables and other runs,
+tries the real API's port directly, and reads its parent's environment. It also does what a
+legitimate job does (a task, a subflow, a log line, an artifact): all of that must reach the UI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from uuid import UUID
+
+import pytest
+from prefect import get_client
+from prefect.client.schemas.filters import (
+    ArtifactFilter,
+    ArtifactFilterFlowRunId,
+    ArtifactFilterKey,
+    FlowRunFilter,
+    FlowRunFilterParentFlowRunId,
+    LogFilter,
+    LogFilterFlowRunId,
+)
+
+from tests.integration.conftest import cli, flow_run_id
+from tests.integration.test_jobs_end_to_end import read_run, write_job
+
+pytestmark = pytest.mark.integration
+
+HOSTILE = """
+import json, os, socket, urllib.error, urllib.request
+from pathlib import Path
+from prefect import flow, get_run_logger, task
+from prefect.artifacts import create_markdown_artifact
+
+@task
+def step(x: int) -> int:
+    return x + 1
+
+@flow
+def child() -> int:
+    return step(1)
+
+def call(method, path, body=None):
+    request = urllib.request.Request(os.environ["PREFECT_API_URL"] + path, method=method,
+                                     data=None if body is None else json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as answer:
+            return answer.status, answer.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+
+@flow
+def hostile(api_host: str, api_port: int) -> int:
+    seen = {"uid": os.geteuid()}
+    seen["secrets"] = call("POST", "/block_documents/filter", {"include_secrets": True})
+    seen["secret_by_name"] = call("GET", "/block_types/slug/secret/block_documents/name/leak?include_secrets=true")
+    seen["variables"] = call("POST", "/variables/filter", {})
+    seen["other_runs"] = call("POST", "/flow_runs/filter", {})
+    seen["own_run"] = call("GET", "/flow_runs/" + os.environ["PREFECT__FLOW_RUN_ID"])[0]
+    try:
+        socket.create_connection((api_host, api_port), timeout=3).close()
+        seen["direct"] = "reached"
+    except OSError as error:
+        seen["direct"] = type(error).__name__
+    try:
+        seen["parent_environ"] = Path(f"/proc/{os.getppid()}/environ").read_bytes().decode(errors="replace")
+    except OSError as error:
+        seen["parent_environ"] = type(error).__name__
+    seen["environ"] = dict(os.environ)
+    get_run_logger().info("the job's own log line")
+    create_markdown_artifact("# made by the job", key="made-by-the-job")
+    seen["child"] = child()
+    Path(os.environ["E31_OUTPUT_DIR"], "seen.json").write_text(json.dumps(seen))
+    return step(41)
+"""
+
+
+@pytest.fixture
+def secret_block(prefect_server) -> str:
+    from prefect.blocks.system import Secret
+
+    Secret(value="the-block-secret").save("leak", overwrite=True)
+    return "the-block-secret"
+
+
+@pytest.mark.parametrize("runtime", ["process", "container"])
+def test_a_hostile_job_reaches_only_its_own_flow_run(runtime, prefect_server, secret_block, tmp_path, pool,
+                                                     request):
+    image = f", image: {request.getfixturevalue('job_image')}" if runtime == "container" else ""
+    host, port = prefect_server.split("//", 1)[1].split("/", 1)[0].split(":")
+    job = write_job(tmp_path / "hostile", f"""
+        name: hostile
+        work: {{flow: flow.py:hostile{image}, parameters: {{api_host: "{host}", api_port: {port}}}}}
+        request: {{gpus: 0, max_duration: 5m}}
+        output: {{to: ./out/, expect: [seen.json]}}
+        """, flow=HOSTILE)
+    result = cli("e31", "run", str(job), "--pool", pool,
+                 env={"AWS_SECRET_ACCESS_KEY": "the-worker-secret", "PREFECT_API_KEY": ""})
+    assert result.returncode == 0, result.stdout + result.stderr
+    run_id = flow_run_id(result.stdout)
+    seen = json.loads((tmp_path / "hostile" / "out" / "seen.json").read_text())
+
+    for refused in ("secrets", "secret_by_name", "variables", "other_runs"):
+        status, body = seen[refused]
+        assert status == 403, (refused, status, body)
+        assert "the-block-secret" not in body
+    assert seen["own_run"] == 200
+    assert seen["direct"] != "reached", "the job reached the Prefect API's port itself"
+    assert "the-worker-secret" not in json.dumps(seen)
+    assert not any(key.startswith(("AWS_", "E31_GPUS", "PREFECT_API_KEY")) for key in seen["environ"])
+    if runtime == "process" and os.geteuid() == 0:
+        assert seen["uid"] >= 61000, "a process job runs as a user of its own"
+        assert seen["parent_environ"] == "PermissionError"
+
+    # What a legitimate job does through the same gateway reaches Prefect: result, logs, subflow, artifact.
+    state = read_run(run_id).state
+    assert state.is_completed(), state
+    with get_client(sync_client=True) as client:
+        logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id])))
+        assert "the job's own log line" in [log.message for log in logs]
+        assert any(log.task_run_id is not None for log in logs), "a task's own log lines pass too"
+        children = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+            parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[run_id])))
+        assert [c.state.is_completed() for c in children] == [True]
+        made = client.read_artifacts(artifact_filter=ArtifactFilter(
+            key=ArtifactFilterKey(any_=["made-by-the-job"]), flow_run_id=ArtifactFilterFlowRunId(any_=[run_id])))
+        assert [artifact.data for artifact in made] == ["# made by the job"]
+    # Prefect records task runs from the events the job sent over its websocket, a moment later.
+    deadline = time.monotonic() + 30
+    while True:
+        with get_client(sync_client=True) as client:
+            task_runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [UUID(str(run_id))]}))
+        names = {t.name.rsplit("-", 1)[0] for t in task_runs}
+        if names >= {"step", "child"} or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert names >= {"step", "child"}
