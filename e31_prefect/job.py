@@ -11,11 +11,14 @@ flow entrypoint exists (:func:`load_job_file`).
 from __future__ import annotations
 
 import ast
+import dataclasses
 import difflib
+import math
 import os
 import re
 import shlex
 import string
+from collections import deque
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path, PurePosixPath
@@ -41,6 +44,11 @@ SUPPORTED_SCHEMES = ("file", "s3")
 OUTPUT_PLACEHOLDERS = ("flow_run.id", "flow_run.name", "date", "job")
 JOB_VARIABLE_KEYS = ("team", "timezone", "work", "data", "request", "output", "storage")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+MAX_GPUS = 1024  # a job runs on one host's devices
+MAX_CPUS = 1024
+MAX_ARGUMENT_BYTES = 128 * 1024 - 1  # Linux's MAX_ARG_STRLEN less the NUL: longer and exec fails after renting
+MAX_INT = 2**63 - 1  # what JSON job variables and every store downstream can hold
+NUL_FIX = "contains a NUL character (\\0), which no command, path or variable can carry; remove it"
 
 def job_name(text: str) -> str:
     """Any name (a flow's, say) as a valid job name: letters, digits, '.', '_' and '-'."""
@@ -66,9 +74,11 @@ class Problem:
     fix: str
 
     def __str__(self) -> str:
+        # A field may come from a key of the file; a newline in it must not split the problem's line.
+        field = self.field if self.field.isprintable() else repr(self.field)
         if self.value is MISSING:
-            return f"{self.field or 'job'}: {self.fix}"
-        return f"{self.field or 'job'} = {_show(self.value)}: {self.fix}"
+            return f"{field or 'job'}: {self.fix}"
+        return f"{field or 'job'} = {_show(self.value)}: {self.fix}"
 
 
 class JobError(ValueError):
@@ -101,7 +111,10 @@ def parse_bytes(value: str | int) -> int:
     if not match:
         raise ValueError(f"is not a size; {SIZE_HINT}")
     number, unit = match.groups()
-    return int(float(number) * 1024 ** " kmgt".index(unit.lower() or " "))
+    size = float(number) * 1024 ** " kmgt".index(unit.lower() or " ")
+    if not size <= MAX_INT:  # a thousand-digit number reads as infinity, which no int holds
+        raise ValueError(f"is too large; {SIZE_HINT}")
+    return int(size)
 
 
 def parse_memory(value: str | int) -> int:
@@ -132,6 +145,14 @@ def check_relative_path(path: str) -> str:
     if str(pure) in ("", "."):
         raise ValueError("must name a file or folder, not the directory itself")
     return str(pure)
+
+
+def _too_long(text: str, what: str) -> str | None:
+    """Why ``text`` cannot be one argument or variable of a Linux process, or None when it can."""
+    size = len(text.encode("utf-8", "surrogatepass"))
+    if size <= MAX_ARGUMENT_BYTES:
+        return None
+    return f"is {size} bytes; Linux passes at most 128 KiB per {what}: put it in a file and stage it as data"
 
 
 class Work(BaseModel):
@@ -187,9 +208,12 @@ class Work(BaseModel):
 
     @field_validator("command")
     @classmethod
-    def _command_not_empty(cls, value: list[str] | None) -> list[str] | None:
+    def _command_runnable(cls, value: list[str] | None) -> list[str] | None:
         if value is not None and not value:
             raise ValueError("is empty; give the program and its arguments, e.g. [python, sim.py]")
+        problems = [Problem("work.command", item, fix) for item in value or [] if (fix := _too_long(item, "argument"))]
+        if problems:
+            raise _cross(problems)
         return value
 
     @field_validator("flow")
@@ -202,9 +226,22 @@ class Work(BaseModel):
     @field_validator("env", mode="before")
     @classmethod
     def _env_as_strings(cls, value: Any) -> Any:
-        if isinstance(value, dict):
-            return {str(k): str(v) for k, v in value.items()}
-        return value
+        if not isinstance(value, dict):
+            return value
+        env = {str(k): v for k, v in value.items()}
+        problems = []
+        for name, text in env.items():
+            if not name or "=" in name:
+                # The runtime writes NAME=value: an empty name or one with '=' would set some other variable.
+                problems.append(Problem("work.env", name, "is not a variable name; use letters, digits and '_'"))
+            elif text is None or isinstance(text, (dict, list)):
+                problems.append(Problem(f"work.env.{name}", text,
+                                        "is not text; write the value, quoted if need be (\"\" for empty)"))
+            elif fix := _too_long(f"{name}={text}", "variable"):
+                problems.append(Problem(f"work.env.{name}", text, fix))
+        if problems:
+            raise _cross(problems)
+        return {name: str(text) for name, text in env.items()}
 
     @model_validator(mode="after")
     def _flow_or_command(self) -> Work:
@@ -233,7 +270,8 @@ class DataInput(BaseModel):
         examples=["train.csv"],
     )
     size: int | None = Field(
-        default=None, ge=0, title="Expected size", description="Bytes the input must have.", examples=[1048576]
+        default=None, ge=0, le=MAX_INT, title="Expected size", description="Bytes the input must have.",
+        examples=[1048576],
     )
     sha256: str | None = Field(
         default=None,
@@ -259,6 +297,13 @@ class DataInput(BaseModel):
             raise ValueError("is not a SHA-256 hex digest (64 hex characters)")
         return value.lower() if value else value
 
+    @model_validator(mode="after")
+    def _has_a_name(self) -> DataInput:
+        if self.to is None and self.target == "..":
+            raise _cross([Problem("data.from", self.source,
+                                  "ends in '..', which names nothing to stage it as; add to: NAME")])
+        return self
+
     @property
     def target(self) -> str:
         """The path under the data dir this input lands at."""
@@ -278,7 +323,7 @@ class Request(BaseModel):
         examples=["H100"],
     )
     cpus: float | None = Field(
-        default=None, gt=0, title="CPUs", description="CPU cores a container may use (docker runtime).",
+        default=None, title="CPUs", description="CPU cores a container may use (docker runtime).",
         examples=[8],
     )
     memory: str | None = Field(
@@ -324,9 +369,18 @@ class Request(BaseModel):
 
     @field_validator("gpus")
     @classmethod
-    def _gpus_not_negative(cls, value: int) -> int:
+    def _gpus_in_range(cls, value: int) -> int:
         if value < 0:
             raise ValueError("must be 0 or more; use gpus: 0 for a CPU-only job")
+        if value > MAX_GPUS:
+            raise ValueError(f"is more than {MAX_GPUS}; a job rents the GPUs of one host")
+        return value
+
+    @field_validator("cpus")
+    @classmethod
+    def _cpus_in_range(cls, value: float | None) -> float | None:
+        if value is not None and not 0 < value <= MAX_CPUS:  # also refuses NaN and infinity
+            raise ValueError(f"must be more than 0 and at most {MAX_CPUS} cores, e.g. 8")
         return value
 
     @field_validator("start")
@@ -418,7 +472,20 @@ class Output(BaseModel):
     @field_validator("expect")
     @classmethod
     def _check_expect(cls, value: list[str]) -> list[str]:
-        return [check_relative_path(v) for v in value]
+        problems, paths = [], []
+        for item in value:
+            if any(c in item for c in "*?["):
+                # Checked by exact name after the run (staging.missing_outputs): a pattern would never exist.
+                problems.append(Problem("output.expect", item,
+                                        "is a pattern; expect lists exact paths: name each file, e.g. metrics.json"))
+                continue
+            try:
+                paths.append(check_relative_path(item))
+            except ValueError as exc:
+                problems.append(Problem("output.expect", item, str(exc)))
+        if problems:
+            raise _cross(problems)
+        return paths
 
 
 class Job(BaseModel):
@@ -471,14 +538,33 @@ class Job(BaseModel):
             timing.zone(value)
         return value
 
+    @model_validator(mode="before")
+    @classmethod
+    def _no_nul(cls, data: Any) -> Any:
+        problems = nul_problems(data)
+        if problems:
+            raise _cross(problems)
+        return data
+
     @model_validator(mode="after")
-    def _targets_unique(self) -> Job:
-        seen: dict[str, str] = {}
+    def _targets_apart(self) -> Job:
+        # Staging one input onto or inside another's target would overwrite or mix the two.
+        owners: dict[str, str] = {}
+        problems = []
         for item in self.data:
-            if item.target in seen:
-                raise _cross([Problem("data.to", item.target,
-                                      f"is used by both {seen[item.target]} and {item.source}; give each its own to")])
-            seen[item.target] = item.source
+            if item.target in owners:
+                problems.append(Problem("data.to", item.target, f"is used by both {owners[item.target]} "
+                                        f"and {item.source}; give each its own to"))
+            owners.setdefault(item.target, item.source)
+        for item in self.data:
+            parts = PurePosixPath(item.target).parts
+            folder = next((f for f in ("/".join(parts[:n]) for n in range(1, len(parts))) if f in owners), None)
+            if folder is not None:
+                problems.append(Problem("data.to", item.target,
+                                        f"is inside {folder}, where {owners[folder]} is staged; "
+                                        f"give {item.source} a path outside it"))
+        if problems:
+            raise _cross(problems)
         return self
 
     @property
@@ -496,6 +582,27 @@ class Job(BaseModel):
         """Rebuild the job from job variables; raises :class:`JobError` naming each bad field."""
         values = {key: variables[key] for key in JOB_VARIABLE_KEYS if variables.get(key) is not None}
         return parse_job({"name": name, **values}, source="job variables")
+
+
+def nul_problems(data: Any) -> list[Problem]:
+    """A problem for each text (key or value) in raw job data holding a NUL character.
+
+    Walked without recursion, so a deeply nested parameter cannot exhaust the stack.
+    """
+    problems: list[Problem] = []
+    todo: deque[tuple[str, Any]] = deque([("", data)])
+    while todo:
+        field, value = todo.popleft()
+        if isinstance(value, str) and "\0" in value:
+            problems.append(Problem(field, value, NUL_FIX))
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                if isinstance(key, str) and "\0" in key:
+                    problems.append(Problem(field, key, NUL_FIX))
+                todo.append((f"{field}.{key}" if field else str(key), item))
+        elif isinstance(value, (list, tuple)):
+            todo.extend((field, item) for item in value)
+    return problems
 
 
 def parse_job(data: Any, source: str | None = None) -> Job:
@@ -546,44 +653,159 @@ def _suggestion(loc: list[str]) -> str:
 # -- job files --------------------------------------------------------------------------------
 
 
-class JobFileLoader(yaml.SafeLoader):
-    """YAML with plain numbers only: ``22:00``, ``0755`` and ``0x10`` stay text, only true/false are booleans.
+MAX_JOB_FILE_BYTES = 256 * 1024  # a job file is a few KiB; printing a valid one this big takes ~0.4 s
+MAX_DEPTH = 32
+MAX_VALUES = 10_000
 
-    YAML 1.1 (PyYAML's default) would read ``start: 22:00`` as 1320, ``0755`` as 493 and ``yes`` as
-    True, silently changing a job's times and command lines.
+
+class JobFileResolver(yaml.resolver.Resolver):
+    """Which plain scalars are null, true/false or decimal numbers; everything else is text as written.
+
+    YAML 1.1 (PyYAML's default) would read ``start: 22:00`` as 1320, ``0755`` as 493, ``yes`` as True
+    and ``2026-12-03`` as a date, silently changing a job's times and command lines.
     """
 
 
-_YAML_1_1_ONLY = ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float", "tag:yaml.org,2002:bool")
-JobFileLoader.yaml_implicit_resolvers = {
-    first: [(tag, regexp) for tag, regexp in resolvers if tag not in _YAML_1_1_ONLY]
-    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+_TAG = "tag:yaml.org,2002:"
+_STR, _INT, _FLOAT, _BOOL, _NULL = (_TAG + name for name in ("str", "int", "float", "bool", "null"))
+JobFileResolver.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag == _NULL]
+    for first, resolvers in yaml.resolver.Resolver.yaml_implicit_resolvers.items()
 }
-JobFileLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
-JobFileLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:int", re.compile(r"^[-+]?(?:0|[1-9][0-9]*)$"),
-    list("-+0123456789"))
-JobFileLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
+JobFileResolver.add_implicit_resolver(_BOOL, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+JobFileResolver.add_implicit_resolver(_INT, re.compile(r"^[-+]?(?:0|[1-9][0-9]*)$"), list("-+0123456789"))
+JobFileResolver.add_implicit_resolver(
+    _FLOAT,
     re.compile(r"^(?:[-+]?(?:\.[0-9]+|[0-9]+\.[0-9]*)(?:[eE][-+]?[0-9]+)?|[-+]?[0-9]+[eE][-+]?[0-9]+"
                r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
     list("-+.0123456789"))
+_RESOLVER = JobFileResolver()
+_PARSER = yaml.CSafeLoader if yaml.__with_libyaml__ else yaml.SafeLoader  # only its parser is used; C is ~20x faster
+_PLAIN_TAGS = (None, "!", _STR, _TAG + "seq", _TAG + "map")
 
+
+@dataclass
+class _Open:
+    """A mapping or list being read: its value so far, its field, and a mapping's key awaiting its value."""
+
+    value: dict[Any, Any] | list[Any]
+    field: str
+    key: Any = MISSING
+    lines: dict[Any, int] = dataclasses.field(default_factory=dict)  # the line each key was first given on
+
+    def child(self) -> str:
+        """The field of the next value read into this one."""
+        if self.key is MISSING:
+            return self.field
+        return f"{self.field}.{self.key}" if self.field else str(self.key)
+
+    def add(self, value: Any, line: int, problems: list[Problem]) -> None:
+        """Take the next value read: a list's item, or a mapping's key and then that key's value."""
+        if isinstance(self.value, list):
+            self.value.append(value)
+        elif self.key is MISSING:
+            self.key = value
+            if value in self.lines:
+                problems.append(Problem(self.child(), MISSING,
+                                        f"is given twice (lines {self.lines[value]} and {line}); keep one"))
+            self.lines.setdefault(value, line)
+        else:
+            self.value[self.key] = value
+            self.key = MISSING
+
+
+def read_job_yaml(text: str, source: str) -> Any:
+    """The data in a job file's YAML, read in time and memory bounded by the text's length.
+
+    Each of these is a problem naming its field: anchors and aliases (a few lines of aliases expand to
+    billions of values), tags other than ``!!str``, nesting deeper than ``MAX_DEPTH``, more than
+    ``MAX_VALUES`` values, keys that are not text, a key given twice and numbers beyond 64 bits.
+    Raises :class:`JobError`, or ``yaml.YAMLError`` for text that is not YAML.
+    """
+    problems: list[Problem] = []
+    stack: list[_Open] = []
+    documents: list[Any] = []
+    count = 0
+    for event in yaml.parse(text, Loader=_PARSER):  # events, not nodes: nothing is built before it is checked
+        if isinstance(event, (yaml.StreamStartEvent, yaml.StreamEndEvent,
+                              yaml.DocumentStartEvent, yaml.DocumentEndEvent)):
+            continue
+        where = stack[-1].child() if stack else ""
+        if isinstance(event, yaml.CollectionEndEvent):
+            value = stack.pop().value
+        else:
+            count += 1
+            stop = _limit_problem(event, where, count, len(stack), stack[-1] if stack else None)
+            if stop:
+                raise JobError([stop], source)
+            if event.tag not in _PLAIN_TAGS:
+                problems.append(Problem(where, event.tag.replace(_TAG, "!!"), "is a YAML tag; job files use none "
+                                        "but !!str: write plain text, numbers, true/false, lists and mappings"))
+            if isinstance(event, yaml.CollectionStartEvent):
+                stack.append(_Open({} if isinstance(event, yaml.MappingStartEvent) else [], where))
+                continue
+            value = _scalar(event, where, problems)
+        if stack:
+            stack[-1].add(value, event.start_mark.line + 1, problems)
+        else:
+            documents.append(value)
+    if len(documents) > 1:
+        problems.append(Problem("job file", source, f"holds {len(documents)} YAML documents; a job file is one"))
+    if problems:
+        raise JobError(problems, source)
+    return documents[0] if documents else None
+
+
+def _limit_problem(event: yaml.Event, where: str, count: int, depth: int, parent: _Open | None) -> Problem | None:
+    # What stops the reading at once: going on could take unbounded time or memory.
+    if isinstance(event, yaml.AliasEvent) or event.anchor is not None:
+        written, kind = ("*", "alias") if isinstance(event, yaml.AliasEvent) else ("&", "anchor")
+        return Problem(where, written + event.anchor, f"is a YAML {kind}; job files use no anchors (&) "
+                       "or aliases (*): write each value out")
+    if count > MAX_VALUES:
+        return Problem(where, MISSING, f"goes past {MAX_VALUES} values in one job file; "
+                       "keep large parameters in a file staged as data")
+    if isinstance(event, yaml.CollectionStartEvent):
+        if parent is not None and isinstance(parent.value, dict) and parent.key is MISSING:
+            return Problem(where, MISSING, "has a list or mapping as a key; keys are text")
+        if depth >= MAX_DEPTH:
+            return Problem(where, MISSING, f"nests lists and mappings more than {MAX_DEPTH} deep; flatten it")
+    return None
+
+
+def _scalar(event: yaml.ScalarEvent, where: str, problems: list[Problem]) -> Any:
+    """A scalar as the job means it: text, unless written plain as null, true/false or a decimal number."""
+    text = event.value
+    tag = _RESOLVER.resolve(yaml.ScalarNode, text, event.implicit) if event.tag in (None, "!") else _STR
+    if tag == _NULL:
+        return None
+    if tag == _BOOL:
+        return text.lower() == "true"
+    if tag == _INT:
+        # Checked by length first: Python will not even read an integer past 4,300 digits.
+        if len(text.lstrip("+-")) <= 19 and -MAX_INT - 1 <= int(text) <= MAX_INT:
+            return int(text)
+    elif tag == _FLOAT:
+        number = float(text.lower().replace(".inf", "inf").replace(".nan", "nan"))
+        if not math.isinf(number) or "inf" in text.lower():
+            return number
+    else:
+        return text
+    problems.append(Problem(where, text, f"is out of range; a number in a job file fits in 64 bits (±{MAX_INT}): "
+                            "quote it to pass it as text"))
+    return text
 
 
 def load_job_file(path: str | Path) -> Job:
     """Read, validate and anchor a job file: relative paths become absolute ``file://`` URLs.
 
-    Raises :class:`JobError` listing every problem, including a flow
-    entrypoint that does not exist.
+    Raises :class:`JobError` listing every problem, including a flow entrypoint that does not exist,
+    in time and memory bounded by ``MAX_JOB_FILE_BYTES`` whatever the file holds.
     """
     path = Path(path)
     source = str(path)
     try:
-        data = yaml.load(path.read_text(), Loader=JobFileLoader)
-    except FileNotFoundError:
-        raise JobError([Problem("job file", source, "does not exist; check the path")], source) from None
+        data = read_job_yaml(_job_file_text(path, source), source)
     except yaml.YAMLError as exc:
         raise JobError([Problem("job file", source, f"is not valid YAML: {exc}".replace("\n", " "))], source) from None
     if isinstance(data, dict):
@@ -593,6 +815,27 @@ def load_job_file(path: str | Path) -> Job:
     if problems:
         raise JobError(problems, source)
     return anchor(job, path.parent.resolve())
+
+
+def _job_file_text(path: Path, source: str) -> str:
+    # Read no more than the cap, so /dev/zero or a huge file costs no more than a large job file.
+    try:
+        with path.open("rb") as file:
+            raw = file.read(MAX_JOB_FILE_BYTES + 1)
+    except FileNotFoundError:
+        raise JobError([Problem("job file", source, "does not exist; check the path")], source) from None
+    except OSError as exc:
+        raise JobError([Problem("job file", source, f"cannot be read ({exc.strerror or exc}); "
+                                "give the path of a YAML job file")], source) from None
+    if len(raw) > MAX_JOB_FILE_BYTES:
+        raise JobError([Problem("job file", source, f"is larger than {MAX_JOB_FILE_BYTES // 1024} KiB; a job "
+                                "file describes a job: keep large parameters in a file staged as data")], source)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        raise JobError([Problem("job file", source, f"is not UTF-8 text (byte 0x{raw[exc.start]:02x} on line "
+                                f"{line}); save it as UTF-8")], source) from None
 
 
 def anchor(job: Job, base: Path) -> Job:
@@ -635,12 +878,17 @@ def _work_problems(work: Work, base: Path) -> list[Problem]:
     if not work.flow:
         return []
     source, function = flow_file(work, base)
-    if not source.is_file():
-        return [Problem("work.flow", work.flow, f"{source} does not exist; give a path relative to the job file")]
     try:
-        tree = ast.parse(source.read_text(), filename=str(source))
+        if not source.is_file():
+            return [Problem("work.flow", work.flow, f"{source} does not exist; give a path relative to the job file")]
+        tree = ast.parse(source.read_bytes(), filename=str(source))
+    except OSError as exc:  # a name too long, a file the user may not read
+        return [Problem("work.flow", work.flow, f"{source} cannot be read ({exc.strerror or exc}); "
+                        "give a path relative to the job file")]
     except SyntaxError as exc:
         return [Problem("work.flow", work.flow, f"{source.name} does not parse: {exc.msg} (line {exc.lineno})")]
+    except (ValueError, RecursionError, MemoryError) as exc:  # how CPython's parser says "nested too deep"
+        return [Problem("work.flow", work.flow, f"{source.name} does not parse: {exc or 'nested too deep'}")]
     defined = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
     if work.image and code_root(base, source) is None:
         return [Problem("work.flow", work.flow, f"its container would have to see all of "

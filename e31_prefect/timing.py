@@ -121,7 +121,7 @@ def zone(name: str | None) -> tzinfo:
     if name:
         try:
             return ZoneInfo(name)
-        except (ZoneInfoNotFoundError, ValueError):
+        except (ZoneInfoNotFoundError, ValueError, OSError):  # OSError: a name too long for a file name
             raise ValueError(f"{name!r} is not a time zone; use an IANA name such as Europe/Paris") from None
     local = datetime.now().astimezone().tzinfo
     assert local is not None

@@ -856,3 +856,344 @@ def test_an_image_job_whose_flow_the_container_could_not_see_is_refused(tmp_path
         assert load_job_file(folder / "job.yaml").work.flow, "as a process it runs where it is"
     finally:
         flow.unlink()
+
+
+# -- hostile job files ------------------------------------------------------------------------
+# Each is refused with one line per problem naming the field and the value, and nothing but a
+# JobError escapes. A check that let one through would hang (the alias bomb) or raise another error.
+
+
+def lines_of(problems: list[Problem]) -> list[str]:
+    lines = [str(problem) for problem in problems]
+    assert all("\n" not in line for line in lines), lines
+    return lines
+
+
+def raw_file(folder: Path, text: str | bytes, name: str = "j.yaml") -> Path:
+    path = folder / name
+    if isinstance(text, bytes):
+        path.write_bytes(text)
+    else:
+        path.write_text(text)
+    return path
+
+
+COMMAND_JOB = "work: {command: [echo, hi]}\nrequest: {max_duration: 1h}\n"
+ALIAS_BOMB = (
+    "work:\n  command: [echo]\n  parameters:\n    a: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n"
+    + "".join(f"    {b}: &{b} [{', '.join([f'*{a}'] * 9)}]\n" for a, b in zip("abcdefgh", "bcdefghi", strict=True))
+    + "request: {max_duration: 1h}\n"
+)
+
+
+def test_an_alias_bomb_is_refused_at_its_first_anchor(tmp_path: Path):
+    # Expanded, these nine lines are 9**9 strings: reading them must stop before building anything.
+    [problem] = load_problems(raw_file(tmp_path, ALIAS_BOMB))
+    assert str(problem) == (
+        "work.parameters.a = '&a': is a YAML anchor; job files use no anchors (&) or aliases (*): write each value out"
+    )
+
+
+@pytest.mark.parametrize(("text", "field", "written"), [
+    ("work: {command: [echo], env: *x}\nrequest: {max_duration: 1h}\n", "work.env", "*x"),
+    ("base: &base {max_duration: 1h}\nwork: {command: [echo]}\nrequest: {<<: *base}\n", "base", "&base"),
+], ids=["alias", "merge-key"])
+def test_anchors_and_aliases_are_refused(tmp_path: Path, text, field, written):
+    [problem] = load_problems(raw_file(tmp_path, text))
+    assert (problem.field, problem.value) == (field, written)
+    assert "write each value out" in problem.fix
+
+
+@pytest.mark.parametrize("nested", [
+    "{x: " + "[" * 100 + "]" * 100 + "}",
+    "\n" + "".join(" " * (4 + i) + f"k{i}:\n" for i in range(100)) + " " * 104 + "end",
+], ids=["flow", "block"])
+def test_deep_nesting_is_refused_naming_where(tmp_path: Path, nested):
+    [problem] = load_problems(raw_file(tmp_path, f"work:\n  command: [echo]\n  parameters: {nested}\n"
+                                                 "request: {max_duration: 1h}\n"))
+    assert problem.field.startswith("work.parameters")
+    assert problem.fix == "nests lists and mappings more than 32 deep; flatten it"
+
+
+def test_nesting_past_the_yaml_parsers_own_limit_is_a_job_error(tmp_path: Path):
+    [problem] = load_problems(raw_file(tmp_path, "work: {parameters: " + "[" * 10_000 + "]" * 10_000 + "}\n"))
+    assert problem.field == "job file"
+
+
+def test_a_non_utf8_file_names_the_byte_and_line(tmp_path: Path):
+    path = raw_file(tmp_path, b"request: {max_duration: 1h}\nwork: {command: [echo, \xff\xfe]}\n")
+    [problem] = load_problems(path)
+    assert str(problem) == f"job file = '{path}': is not UTF-8 text (byte 0xff on line 2); save it as UTF-8"
+
+
+@pytest.mark.parametrize(("where", "field"), [
+    ("request: {max_duration: 1h, gpus: NUMBER}", "request.gpus"),
+    ("request: {max_duration: NUMBER}", "request.max_duration"),
+    ("request: {max_duration: 1h}\ndata: [{from: s3://b/x, size: NUMBER}]", "data.size"),
+    ("request: {max_duration: 1h}\nwork: {command: [echo], parameters: {seed: NUMBER}}", "work.parameters.seed"),
+], ids=["gpus", "max_duration", "size", "parameter"])
+@pytest.mark.parametrize("number", ["9" * 5000, "-" + "9" * 5000, "9223372036854775808", "1e999", "-9e400"],
+                         ids=["5000-digits", "minus-5000-digits", "2**63", "1e999", "-9e400"])
+def test_numbers_beyond_64_bits_are_refused_as_written(tmp_path: Path, where, field, number):
+    text = where.replace("NUMBER", number)
+    if "work:" not in text:
+        text += "\nwork: {command: [echo]}"
+    [problem] = load_problems(raw_file(tmp_path, text + "\n"))
+    assert (problem.field, problem.value) == (field, number)
+    assert "is out of range; a number in a job file fits in 64 bits" in problem.fix
+
+
+def test_numbers_at_the_64_bit_bounds_still_read_as_numbers(tmp_path: Path):
+    job = load_job_file(raw_file(tmp_path, "work: {command: [echo], parameters: {big: 9223372036854775807, "
+                                           "small: -9223372036854775808, inf: .inf}}\nrequest: {max_duration: 1h}\n"))
+    assert job.work.parameters == {"big": 2**63 - 1, "small": -(2**63), "inf": float("inf")}
+
+
+@pytest.mark.parametrize("deadline", ["0001-01-01T00:00:00Z", "'0001-01-01T00:30:00+01:00'", "9999-12-31T23:59:59Z"])
+def test_a_deadline_out_of_range_is_shown_as_written(tmp_path: Path, deadline):
+    [problem] = load_problems(raw_file(tmp_path, f"work: {{command: [echo]}}\n"
+                                                 f"request: {{max_duration: 1h, deadline: {deadline}}}\n"))
+    assert (problem.field, problem.value) == ("request.deadline", deadline.strip("'"))
+    assert problem.fix.endswith("is out of range; give a date between 1970 and 9000")
+
+
+def test_a_date_yaml_would_read_as_impossible_is_text_the_deadline_refuses(tmp_path: Path):
+    [problem] = load_problems(raw_file(tmp_path, "work: {command: [echo]}\n"
+                                                 "request: {max_duration: 1h, deadline: 2026-13-45}\n"))
+    assert (problem.field, problem.value) == ("request.deadline", "2026-13-45")
+
+
+def test_a_key_given_twice_is_refused_naming_the_key_and_both_lines(tmp_path: Path):
+    [problem] = load_problems(raw_file(tmp_path, "work:\n  command: [echo]\n  env:\n    SEED: 1\n    SEED: 2\n"
+                                                 "request: {max_duration: 1h}\n"))
+    assert str(problem) == "work.env.SEED: is given twice (lines 4 and 5); keep one"
+
+
+def test_a_section_given_twice_is_refused(tmp_path: Path):
+    problems = load_problems(raw_file(tmp_path, COMMAND_JOB + "request: {max_duration: 2h}\n"))
+    assert lines_of(problems) == ["request: is given twice (lines 2 and 3); keep one"]
+
+
+@pytest.mark.parametrize(("work", "field", "value"), [
+    ('{command: ["echo", "a\\0b"]}', "work.command", "a\0b"),
+    ("{command: \"echo a\\0b\"}", "work.command", "echo a\0b"),
+    ('{command: [echo], env: {SEED: "7\\0"}}', "work.env.SEED", "7\0"),
+    ('{command: [echo], env: {"A\\0B": x}}', "work.env", "A\0B"),
+    ('{flow: "flow\\0.py:f"}', "work.flow", "flow\0.py:f"),
+    ('{command: [echo], parameters: {deep: [{x: "\\0"}]}}', "work.parameters.deep.x", "\0"),
+], ids=["command-item", "command-line", "env-value", "env-name", "flow", "parameter"])
+def test_a_nul_character_is_refused_wherever_it_is(tmp_path: Path, work, field, value):
+    [problem] = load_problems(raw_file(tmp_path, f"work: {work}\nrequest: {{max_duration: 1h}}\n"))
+    assert (problem.field, problem.value) == (field, value)
+    assert "NUL character" in problem.fix
+    assert "\\x00" in str(problem)  # shown escaped, on its one line
+
+
+def test_a_nul_character_in_job_variables_is_refused_before_any_run():
+    variables = parse_job(base_job()).to_job_variables()
+    variables["work"]["command"] = ["echo", "a\0b"]
+    with pytest.raises(JobError) as caught:
+        Job.from_job_variables(variables, "j")
+    assert [p.field for p in caught.value.problems] == ["work.command"]
+
+
+@pytest.mark.parametrize("name", ["", "A=B", "=X"])
+def test_an_env_name_that_is_not_a_variable_name(name):
+    data = base_job()
+    data["work"]["env"] = {name: "x"}
+    assert str(only_problem(data)) == f"work.env = {name!r}: is not a variable name; use letters, digits and '_'"
+
+
+@pytest.mark.parametrize("value", [None, [1], {"x": 1}])
+def test_an_env_value_that_is_not_text(value):
+    data = base_job()
+    data["work"]["env"] = {"SEED": value}
+    problem = only_problem(data)
+    assert (problem.field, problem.value) == ("work.env.SEED", value)
+
+
+@pytest.mark.parametrize(("where", "field"), [("command", "work.command"), ("env", "work.env.BIG")])
+def test_an_argument_or_variable_longer_than_linux_passes(where, field):
+    data = base_job()
+    big = "x" * (128 * 1024)
+    data["work"] = {"command": ["echo", big]} if where == "command" else {"command": ["true"], "env": {"BIG": big}}
+    problem = only_problem(data)
+    assert (problem.field, problem.value) == (field, big)
+    assert "Linux passes at most 128 KiB" in problem.fix
+
+
+@pytest.mark.parametrize("pattern", ["*.json", "out/?.txt", "[ab].json", "**/model.pt"])
+def test_an_expect_pattern_is_refused_asking_for_each_file(pattern):
+    data = base_job()
+    data["output"] = {"expect": ["model.json", pattern]}
+    assert str(only_problem(data)) == (
+        f"output.expect = {pattern!r}: is a pattern; expect lists exact paths: name each file, e.g. metrics.json"
+    )
+
+
+@pytest.mark.parametrize("order", [1, -1])
+def test_an_input_inside_another_inputs_target_is_refused_naming_both(order):
+    data = base_job()
+    data["data"] = [{"from": "s3://b/frames/", "to": "x"}, {"from": "s3://b/labels.csv", "to": "x/y.csv"}][::order]
+    assert str(only_problem(data)) == (
+        "data.to = 'x/y.csv': is inside x, where s3://b/frames/ is staged; give s3://b/labels.csv a path outside it"
+    )
+
+
+def test_inputs_side_by_side_or_sharing_a_prefix_are_fine():
+    data = base_job()
+    data["data"] = [{"from": "s3://b/x/", "to": "x"}, {"from": "s3://b/xy", "to": "xy"},
+                    {"from": "s3://b/z", "to": "d/z"}, {"from": "s3://b/w", "to": "d/w"}]
+    assert [item.target for item in parse_job(data).data] == ["x", "xy", "d/z", "d/w"]
+
+
+def test_two_inputs_with_the_same_to_are_refused():
+    data = base_job()
+    data["data"] = [{"from": "s3://b/d/", "to": "x"}, {"from": "s3://b/f", "to": "./x"}]
+    assert str(only_problem(data)) == "data.to = 'x': is used by both s3://b/d/ and s3://b/f; give each its own to"
+
+
+def test_an_input_named_dot_dot_needs_a_to():
+    data = base_job()
+    data["data"] = [{"from": "s3://b/.."}]
+    assert str(only_problem(data)) == (
+        "data.from = 's3://b/..': ends in '..', which names nothing to stage it as; add to: NAME"
+    )
+
+
+def test_a_job_file_over_the_size_cap(tmp_path: Path):
+    path = raw_file(tmp_path, COMMAND_JOB + "#" * (256 * 1024))
+    [problem] = load_problems(path)
+    assert problem.field == "job file"
+    assert problem.fix.startswith("is larger than 256 KiB")
+
+
+def test_a_device_or_folder_instead_of_a_job_file():
+    for path, fix in ((Path("/dev/zero"), "is larger than 256 KiB"), (Path("/"), "cannot be read")):
+        with pytest.raises(JobError) as caught:
+            load_job_file(path)
+        assert caught.value.problems[0].fix.startswith(fix)
+
+
+def test_too_many_values_stop_the_reading(tmp_path: Path):
+    [problem] = load_problems(raw_file(tmp_path, "work: {command: [echo], parameters: {ids: [" + "1," * 20_000
+                                       + "]}}\nrequest: {max_duration: 1h}\n"))
+    assert problem.field == "work.parameters.ids"
+    assert problem.fix.startswith("goes past 10000 values in one job file")
+
+
+@pytest.mark.parametrize("tagged", ["!!binary /w==", "!!python/object:os.system x", "!!set {a}", "!custom x",
+                                    "!!int '5'", "!!timestamp 2026-12-03"])
+def test_yaml_tags_are_refused(tmp_path: Path, tagged):
+    [problem] = load_problems(raw_file(tmp_path, f"work: {{command: [echo], parameters: {{x: {tagged}}}}}\n"
+                                                 "request: {max_duration: 1h}\n"))
+    assert problem.field == "work.parameters.x"
+    assert "is a YAML tag" in problem.fix
+
+
+def test_a_str_tag_and_a_key_that_is_not_text(tmp_path: Path):
+    job = load_job_file(raw_file(tmp_path, "work: {command: [echo, !!str 0755]}\nrequest: {max_duration: 1h}\n"))
+    assert job.work.command == ["echo", "0755"]
+    [problem] = load_problems(raw_file(tmp_path, "work: {command: [echo], parameters: {[a]: 1}}\n"
+                                                 "request: {max_duration: 1h}\n"))
+    assert (problem.field, problem.fix) == ("work.parameters", "has a list or mapping as a key; keys are text")
+
+
+def test_several_yaml_documents(tmp_path: Path):
+    [problem] = load_problems(raw_file(tmp_path, COMMAND_JOB + "---\n" + COMMAND_JOB))
+    assert problem.fix == "holds 2 YAML documents; a job file is one"
+
+
+def test_a_key_with_a_newline_keeps_its_problem_on_one_line():
+    data = base_job()
+    data["work"]["sneaky\nkey"] = 1
+    [line] = lines_of(problems_of(data))
+    assert line.startswith("'work.sneaky\\nkey' = 1: is not a job field")
+
+
+@pytest.mark.parametrize(("request_", "field"), [
+    ({"gpus": 10**30}, "request.gpus"), ({"gpus": 1025}, "request.gpus"),
+    ({"cpus": float("inf")}, "request.cpus"), ({"cpus": float("nan")}, "request.cpus"), ({"cpus": 0}, "request.cpus"),
+    ({"memory": "9" * 400 + "g"}, "request.memory"), ({"memory": 2**70}, "request.memory"),
+])
+def test_request_numbers_out_of_range(request_, field):
+    assert only_problem(base_job(**request_)).field == field
+
+
+def test_a_time_zone_name_too_long_for_a_file_name():
+    data = base_job()
+    data["timezone"] = "Europe/" + "x" * 5000
+    assert only_problem(data).fix == f"{data['timezone']!r} is not a time zone; use an IANA name such as Europe/Paris"
+
+
+@pytest.mark.parametrize(("flow", "source", "fix"), [
+    ("x" * 5000 + ".py:f", None, "cannot be read"),
+    ("f.py:f", b"def f():\n    pass\x00\n", "f.py does not parse"),
+    ("f.py:f", b"\xff\xfe def f(): pass\n", "f.py does not parse"),
+    ("f.py:f", b"x = " + b"-" * 200_000 + b"1\n", "f.py does not parse"),
+], ids=["name-too-long", "nul-byte", "not-utf8", "too-deep"])
+def test_a_flow_file_that_cannot_be_read_or_parsed(tmp_path: Path, flow, source, fix):
+    if source is not None:
+        (tmp_path / "f.py").write_bytes(source)
+    [problem] = load_problems(raw_file(tmp_path, f"work: {{flow: '{flow}'}}\nrequest: {{max_duration: 1h}}\n"))
+    assert problem.field == "work.flow"
+    assert fix in problem.fix
+
+
+HOSTILE_VALUES = [
+    None, "", "\0", "a\0b", True, 0, -1, 10**30, -(10**30), float("nan"), float("inf"), -float("inf"), 1e308,
+    [], {}, [[[[]]]], {"": {"=": None}}, "9" * 5000, "*.json", "../x", "/abs", "~", "..", "s3://b/..", "gs://x",
+    "0001-01-01T00:00:00Z", "9999-12-31T23:59:59+14:00", "+99999999999d", "+1e400s", "99999999999h", "PT1e9H",
+    "25:61", "x" * 200_000, "{flow_run.name}/../..", "{0.__class__}", "é\u2028\ud800",
+]
+FIELDS = [
+    ("name",), ("team",), ("timezone",), ("storage",), ("work",), ("work", "flow"), ("work", "command"),
+    ("work", "parameters"), ("work", "env"), ("work", "image"), ("data",), ("request",), ("request", "gpus"),
+    ("request", "gpu_type"), ("request", "cpus"), ("request", "memory"), ("request", "max_duration"),
+    ("request", "until_done"), ("request", "expected_duration"), ("request", "start"), ("request", "deadline"),
+    ("request", "priority"), ("output",), ("output", "to"), ("output", "expect"), ("data", "from"), ("data", "to"),
+    ("data", "size"), ("data", "sha256"),
+]
+
+
+@pytest.mark.parametrize("path", FIELDS, ids=".".join)
+def test_every_field_with_every_hostile_value_gives_a_job_or_a_job_error(path):
+    # Exhaustive over fields x values: whatever parses must also plan and become job variables.
+    for value in HOSTILE_VALUES:
+        data = base_job(deadline="+2h")
+        data["data"], data["output"] = [{"from": "s3://b/x"}], {"to": "s3://out/{job}/"}
+        parent = data["data"][0] if path[0] == "data" and len(path) > 1 else data
+        for key in path[:-1] if path[0] != "data" else ():
+            parent = parent[key]
+        parent[path[-1]] = copy.deepcopy(value)
+        try:
+            job = parse_job(data)
+        except JobError as exc:
+            lines_of(exc.problems)
+            continue
+        plan_problems(job, plan(job, NOW))
+        Job.from_job_variables(job.to_job_variables(), job.name)
+
+
+def test_mangled_job_files_give_a_job_or_a_job_error(job_folder: Path):
+    # A seeded fuzz of the whole reader: random YAML punctuation, escapes and bytes spliced into a valid job.
+    import random
+
+    pieces = ["&a ", "*a", "!!binary ", "<<: ", "{", "}", "[", "]", ",", ": ", "- ", "? ", "|", ">", "#", "'", '"',
+              "\\0", "\\x00", "\\ud800", "%TAG ! x\n", "---\n", "...\n", "\n", "\t", "  ", "9" * 30, "1e999", ".nan",
+              "0001-01-01", "*.json", "../", "\x00", "\x85", "\ufeff"]
+    rng = random.Random(31)
+    for _ in range(400):
+        text = VALID_JOB
+        for _ in range(rng.randint(1, 4)):
+            at = rng.randrange(len(text))
+            text = text[:at] + rng.choice(pieces) + text[at + rng.choice([0, 0, 1, 3]):]
+        path = job_folder / "fuzz.yaml"
+        raw = text.encode("utf-8", "surrogatepass")
+        path.write_bytes(raw if rng.random() < 0.9 else raw.replace(b"e", b"\xe9", 1))
+        try:
+            job = load_job_file(path)
+        except JobError as exc:
+            lines_of(exc.problems)
+            continue
+        Job.from_job_variables(job.to_job_variables(), job.name)
