@@ -47,6 +47,12 @@ class E31Settings(BaseSettings):
         description="Put each process run in a cgroup of its own where the host allows (memory and pids limits, "
         "every process killed at the end); false: its processes are found as its supervisor's descendants.",
     )
+    container_user: str = Field(
+        default="62000:62000",
+        pattern=r"^(\d+(:\d+)?)?$",
+        description="uid:gid job containers run as (no account is needed in the image); its output dir is "
+        "made its own. Empty: the image's own user (root in many images), for a pool whose operator allows it.",
+    )
     job_users: Literal["auto", "worker"] = Field(
         default="auto",
         description="auto: where the worker runs as root, each process job runs as a uid of its own "

@@ -11,6 +11,7 @@ container, stops it at its time limit and removes it.
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -182,6 +183,7 @@ def prepare(
     code: Path | None = None,
     allowed_volumes: Sequence[Path] = (),
     api_socket: Path | None = None,
+    user: str = "",
 ) -> DockerWorkerJobConfiguration:
     """A copy of the run's configuration that creates the E31 container for it.
 
@@ -205,12 +207,26 @@ def prepare(
     prepared.memswap_limit = str(memory) if memory else None  # no swap beyond the limit
     prepared.labels = {**configuration.labels, "e31.job": job.name}
     passed_on = {k: v for k, v in (configuration.container_create_kwargs or {}).items() if k in CREATE_OPTIONS}
+    if user:  # a user with no account in the image has no home: Prefect keeps its files in /tmp
+        prepared.env = {"HOME": "/tmp", "PREFECT_HOME": "/tmp/.prefect", **prepared.env}
     prepared.container_create_kwargs = {
         **passed_on,
+        **({"user": user} if user else {}),
         **isolation(job, devices, send_device_requests),
         **({"working_dir": str(job_folder)} if job_folder else {}),
     }
     return prepared
+
+
+def give_output_dir(output_dir: Path, user: str) -> None:
+    """Make the run's output dir writable by the container's user (its own, where the worker is root)."""
+    if not user:
+        return
+    if os.geteuid() == 0:
+        uid, _, gid = user.partition(":")
+        os.chown(output_dir, int(uid), int(gid or uid))
+    else:  # the worker's own folder: only it and the container reach it
+        output_dir.chmod(0o777)
 
 
 class ContainerRuntime:
@@ -251,7 +267,9 @@ class ContainerRuntime:
         prepared = prepare(configuration, placement.job, placement.devices, placement.data_dir,
                            placement.output_dir, configuration._job_folder, self.send_gpus,
                            placement.folder.work_ended_pipe, configuration.code_mount(),
-                           placement.settings.allowed_volumes, placement.folder.api_socket)
+                           placement.settings.allowed_volumes, placement.folder.api_socket,
+                           placement.settings.container_user)
+        give_output_dir(placement.output_dir, placement.settings.container_user)
         try:
             container, _ = await asyncio.to_thread(self.worker._create_and_start_container, prepared)
         except BaseException:

@@ -112,6 +112,8 @@ def test_a_hostile_job_reaches_only_its_own_flow_run(runtime, prefect_server, se
     assert seen["direct"] != "reached", "the job reached the Prefect API's port itself"
     assert "the-worker-secret" not in json.dumps(seen)
     assert not any(key.startswith(("AWS_", "E31_GPUS", "PREFECT_API_KEY")) for key in seen["environ"])
+    if runtime == "container":
+        assert seen["uid"] == 62000, "a job container runs as no root of its image"
     if runtime == "process" and os.geteuid() == 0:
         assert seen["uid"] >= 61000, "a process job runs as a user of its own"
         assert seen["parent_environ"] == "PermissionError"
