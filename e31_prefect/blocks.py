@@ -61,6 +61,10 @@ class E31Storage(WritableFileSystem):
         default=None, title="Secret access key", description="Goes with the access key id.")
     session_token: SecretStr | None = Field(
         default=None, title="Session token", description="For temporary credentials only.")
+    teams: list[str] = Field(
+        default_factory=list, title="Teams",
+        description="The teams whose jobs may use this block (a job of another team naming it fails before "
+        "renting). Empty: every team's.", examples=[["vision", "speech"]])
     s3_options: dict[str, Any] = Field(
         default_factory=dict, title="Extra s3fs options",
         description="Other s3fs.S3FileSystem arguments (no credentials here: use the secret fields).",
@@ -74,6 +78,10 @@ class E31Storage(WritableFileSystem):
             raise ValueError(f"holds {', '.join(found)}: credentials go in access_key_id, secret_access_key "
                              "and session_token, which are kept secret")
         return value
+
+    def serves(self, team: str | None) -> bool:
+        """Whether a job of ``team`` may use this block."""
+        return not self.teams or team in self.teams
 
     def fsspec_options(self) -> dict[str, dict[str, Any]]:
         """The options staging hands to fsspec, by URL scheme: ``{"s3": {...s3fs arguments...}}``."""

@@ -48,6 +48,7 @@ DEADLINE_MISSED = Ending("DeadlineMissed", "deadline-missed", StateType.FAILED, 
 INVALID_JOB = Ending("InvalidJob", "invalid-job", StateType.FAILED, billed=False)
 STAGING_FAILED = Ending("StagingFailed", "staging-failed", StateType.FAILED, billed=False)
 NO_CONTAINER_ENGINE = Ending("NoContainerEngine", "no-container-engine", StateType.FAILED, billed=False)
+HOST_CANNOT_RUN = Ending("HostCannotRun", "host-cannot-run", StateType.FAILED, billed=False)
 OVER_QUOTA = Ending("OverQuota", "over-quota", StateType.FAILED, billed=False)
 HANDED_BACK = Ending("Scheduled", "handed-back", StateType.SCHEDULED, billed=False)
 
@@ -63,6 +64,6 @@ OUTPUT_MISSING = Ending("OutputMissing", "output-missing", StateType.FAILED)
 OUTPUT_NOT_SENT = Ending("OutputNotSent", "output-not-sent", StateType.FAILED)
 WORKER_FAILED = Ending("Crashed", "worker-failed", StateType.CRASHED)
 
-ALL = (DEADLINE_MISSED, INVALID_JOB, STAGING_FAILED, NO_CONTAINER_ENGINE, OVER_QUOTA, HANDED_BACK, TIMED_OUT,
-       CANCELLED, OUT_OF_MEMORY, PROCESS_DIED, CONTAINER_DIED, NOT_STARTED, REPORTED_BY_WORKER, OUTPUT_MISSING,
-       OUTPUT_NOT_SENT, WORKER_FAILED)
+ALL = (DEADLINE_MISSED, INVALID_JOB, STAGING_FAILED, NO_CONTAINER_ENGINE, HOST_CANNOT_RUN, OVER_QUOTA,
+       HANDED_BACK, TIMED_OUT, CANCELLED, OUT_OF_MEMORY, PROCESS_DIED, CONTAINER_DIED, NOT_STARTED,
+       REPORTED_BY_WORKER, OUTPUT_MISSING, OUTPUT_NOT_SENT, WORKER_FAILED)

@@ -252,8 +252,10 @@ class JobLife:
         assert self.configuration is not None
         try:
             job = self.configuration.job()
-        except JobError as exc:
+            team = quotas.team_by_queue(self.worker.settings.queue_teams, self.flow_run.work_queue_name, job.team)
+        except (JobError, ValueError) as exc:
             raise Ends(endings.INVALID_JOB.saying("The job is not valid:\n" + str(exc))) from None
+        job = job.model_copy(update={"team": team})
         self.job_name = job.name
         self.meter.gpus, self.meter.team = job.request.gpus, job.team
         refused = self.configuration.setting_problems(self.worker.settings.allowed_volumes)
@@ -277,10 +279,12 @@ class JobLife:
     async def check(self, job: Job, runtime: Runtime) -> None:
         """The host can run the job (its container engine answers), before anything is staged or rented."""
         problem = await runtime.check()
-        if problem is not None:
+        if problem is not None and job.work.image:
             raise Ends(endings.NO_CONTAINER_ENGINE.saying(
                 f"The job runs in image {job.work.image!r} but {problem}; run it where Docker runs, or remove "
                 "work.image to run it as a local process. No GPU was rented."))
+        if problem is not None:
+            raise Ends(endings.HOST_CANNOT_RUN.saying(f"This host cannot run the job: {problem}. No GPU was rented."))
 
     # -- stage ------------------------------------------------------------------------------------
 
@@ -289,6 +293,10 @@ class JobLife:
         (self.workspace / "output").mkdir(parents=True, exist_ok=True)
         try:
             self.storage = await load_storage(job.storage) if job.storage else None
+            if self.storage is not None and not self.storage.serves(job.team):
+                raise StorageBlockError(
+                    f"storage block {job.storage!r} is for team(s) {', '.join(self.storage.teams)}, and this job's "
+                    f"team is {job.team or 'none'}: name a block of the job's team, or ask its owner to add it")
             self.options = self.storage.fsspec_options() if self.storage else None
             staged = await anyio.to_thread.run_sync(stage_inputs, job.data, self.workspace / "data", self.options,
                                                     self.log, abandon_on_cancel=True)
@@ -628,6 +636,10 @@ class JobLife:
     async def _resume(self, folder: RunFolder, job: Job) -> Ending | None:
         try:
             self.storage = await load_storage(job.storage) if job.storage else None
+            if self.storage is not None and not self.storage.serves(job.team):
+                raise StorageBlockError(
+                    f"storage block {job.storage!r} is for team(s) {', '.join(self.storage.teams)}, and this job's "
+                    f"team is {job.team or 'none'}: name a block of the job's team, or ask its owner to add it")
             self.options = self.storage.fsspec_options() if self.storage else None
         except StorageBlockError as exc:
             self.log.warning("Outputs of this run may go to the spool: %s", exc)

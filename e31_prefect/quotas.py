@@ -22,6 +22,18 @@ from prefect.exceptions import ObjectNotFound, PrefectHTTPStatusError
 LEASE_SECONDS = 60
 
 
+def team_by_queue(queue_teams: dict[str, str], queue: str | None, claimed: str | None) -> str | None:
+    """The team a run is metered to: its work queue's, where the pool's operator maps queues to teams,
+    else the one its job names. Raises ValueError for a job that claims another team than its queue's."""
+    team = queue_teams.get(queue or "")
+    if team is None:
+        return claimed
+    if claimed is not None and claimed != team:
+        raise ValueError(f"team = {claimed!r}: the run came through work queue {queue!r}, which is team {team!r}'s; "
+                         f"remove team, or submit it to a queue of team {claimed!r}")
+    return team
+
+
 class QuotaFull(RuntimeError):
     """The pool's or the team's GPUs are all held now; the run waits for some to come back."""
 

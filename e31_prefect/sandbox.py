@@ -48,7 +48,7 @@ def plan_view(needed: Iterable[Path], passable: Callable[[Path], bool] = others_
     """For each needed path (resolved), the topmost folder above it others cannot pass, covered, and the
     path shown again; a path already shown by a wider one is not shown twice."""
     view = View()
-    for path in sorted({Path(os.path.realpath(p)) for p in needed}, key=lambda p: len(p.parts)):
+    for path in sorted({Path(os.path.realpath(p)) for p in needed}, key=lambda p: (len(p.parts), str(p))):
         if any(path == shown or shown in path.parents for shown in view.shows):
             continue
         blocked = next((folder for folder in reversed(path.parents) if folder != Path("/")

@@ -53,6 +53,11 @@ class E31Settings(BaseSettings):
         description="uid:gid job containers run as (no account is needed in the image); its output dir is "
         "made its own. Empty: the image's own user (root in many images), for a pool whose operator allows it.",
     )
+    queue_teams: dict[str, str] = Field(
+        default_factory=dict,
+        description='Work queues that belong to teams, as JSON: E31_QUEUE_TEAMS=\'{"vision": "vision"}\'. A run '
+        "from such a queue is metered to its team, and a job that names another team is refused.",
+    )
     job_users: Literal["auto", "worker"] = Field(
         default="auto",
         description="auto: where the worker runs as root, each process job runs as a uid of its own "

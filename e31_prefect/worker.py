@@ -35,7 +35,7 @@ from prefect.workers.base import BaseVariables, BaseWorkerResult
 from prefect_docker.worker import DockerWorker, DockerWorkerJobConfiguration
 from pydantic import Field, PrivateAttr, create_model
 
-from e31_prefect import endings, reporting, timing
+from e31_prefect import endings, quotas, reporting, timing
 from e31_prefect.blocks import E31Storage
 from e31_prefect.inventory import Inventory, discover
 from e31_prefect.job import JOB_VARIABLE_KEYS, Job, Problem, anchor, code_root, job_name
@@ -405,7 +405,7 @@ class E31Worker(DockerWorker):
             priority=job.request.priority,
             duration=job.request.time_limit or job.request.expected_duration,
             queue_priority=queue_priority,
-        ), job.team
+        ), quotas.team_by_queue(self.settings.queue_teams, flow_run.work_queue_name, job.team)
 
     async def _refuse_missed(self, flow_run: FlowRun, job_name: str, team: str | None, latest: datetime | None,
                              now: datetime) -> None:

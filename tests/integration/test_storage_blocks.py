@@ -119,6 +119,25 @@ def test_a_job_naming_a_block_that_does_not_exist_fails_before_renting(prefect_s
     assert "e31:billed-s=0" in run.tags
 
 
+def test_a_job_of_another_team_naming_a_teams_block_fails_before_renting(prefect_server, tmp_path, pool):
+    from e31_prefect.blocks import E31Storage
+
+    E31Storage(endpoint_url="http://127.0.0.1:1", teams=["vision"]).save("vision-store", overwrite=True)
+    job = write_job(tmp_path / "borrow", """
+        name: borrow
+        team: speech
+        storage: vision-store
+        work: {flow: flow.py:inventory}
+        request: {gpus: 1, max_duration: 5m}
+        """, flow=FLOW)
+    result = cli("e31", "run", str(job), "--pool", pool, gpus="1xH100")
+    assert result.returncode == 1
+    run = read_run(flow_run_id(result.stdout))
+    assert run.state.name == "StagingFailed"
+    assert "'vision-store' is for team(s) vision, and this job's team is speech" in run.state.message
+    assert "e31:billed-s=0" in run.tags
+
+
 def test_wrong_credentials_fail_before_renting_naming_the_url(prefect_server, s3_server, tmp_path, pool,
                                                               no_aws_env):
     fs = store(s3_server)

@@ -150,7 +150,7 @@ def job_dict(tmp_path: Path, **request: Any) -> dict[str, Any]:
 def life_for(tmp_path: Path, job: dict[str, Any] | None = None, **worker: Any) -> JobLife:
     fake = FakeWorker(tmp_path, **worker)
     flow_run = SimpleNamespace(id=uuid4(), name="brave-otter", expected_start_time=NOW, next_scheduled_start_time=None,
-                               created=NOW)
+                               created=NOW, work_queue_name="default")
     life = JobLife(fake, flow_run, FakeConfiguration(job or job_dict(tmp_path)))  # type: ignore[arg-type]
     life.report = FakeReport(fake.client)  # type: ignore[assignment]
     return life
@@ -469,3 +469,23 @@ def test_every_ending_has_its_own_name_and_tag():
 def test_invalid_job_error_type_is_a_job_error():
     with pytest.raises(JobError):
         FakeConfiguration({"name": "x"}).job()
+
+
+def test_a_queue_of_a_team_meters_its_runs_to_that_team_and_refuses_a_job_claiming_another(tmp_path):
+    life = life_for(tmp_path, {**job_dict(tmp_path), "team": None})
+    life.worker.settings = life.worker.settings.model_copy(update={"queue_teams": {"default": "speech"}})
+    assert life.admit().team == "speech"
+    claiming = life_for(tmp_path, job_dict(tmp_path))  # the job says team vision
+    claiming.worker.settings = life.worker.settings
+    with pytest.raises(Ends) as ended:
+        claiming.admit()
+    assert ended.value.ending.is_(endings.INVALID_JOB)
+    assert "work queue 'default', which is team 'speech'" in ended.value.ending.message
+
+
+async def test_a_process_job_the_host_cannot_run_ends_before_renting_saying_why(tmp_path):
+    life = life_for(tmp_path)
+    problem = "a job's own user cannot read /opt/x"
+    ending = await ending_of_async(lambda: life.check(life.admit(), CommandRuntime("", problem=problem)))
+    assert ending.is_(endings.HOST_CANNOT_RUN) and not ending.billed
+    assert "cannot read /opt/x" in ending.message
