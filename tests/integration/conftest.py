@@ -18,6 +18,13 @@ REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "deployments" / "jobs"
 
 
+@pytest.fixture(autouse=True)
+def project_folder_readable(tmp_path: Path) -> None:
+    """A test's folder is its jobs' project folder: readable to others, as a project checked out with the
+    usual umask is (pytest makes it 0700), so a job's own user can read its code."""
+    tmp_path.chmod(0o755)
+
+
 @pytest.fixture(scope="session")
 def prefect_server() -> Iterator[str]:
     """Start ``prefect server start`` once for the session; yields its API URL."""

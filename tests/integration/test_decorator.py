@@ -64,7 +64,8 @@ def test_an_e31_flow_that_fails_raises_in_the_caller_with_the_jobs_reason(prefec
         from prefect import flow
         from e31_prefect import e31
 
-        @e31(work_pool=os.environ["POOL"], gpus=0, max_duration="5m", output="file://./out/", expect=["never.txt"])
+        @e31(work_pool=os.environ.get("POOL", "gpu"), gpus=0, max_duration="5m", output="file://./out/",
+             expect=["never.txt"])
         @flow
         def forgetful() -> int:
             return 1

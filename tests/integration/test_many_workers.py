@@ -23,6 +23,7 @@ pytestmark = pytest.mark.integration
 FLOW = """
 import json, os, time
 from datetime import datetime, timezone
+from pathlib import Path
 from prefect import flow
 from e31_prefect import output_dir
 
@@ -31,15 +32,17 @@ def work(seconds: float = 3):
     started = datetime.now(timezone.utc).isoformat()
     time.sleep(seconds)
     (output_dir() / "ran.json").write_text(json.dumps({
-        "worker": os.environ["WORKER_TAG"], "devices": os.environ["CUDA_VISIBLE_DEVICES"],
+        # A job sees none of its worker's environment: its host is the home its workspace lies in.
+        "worker": Path(os.environ["E31_OUTPUT_DIR"]).parents[2].name.removeprefix("host-"),
+        "devices": os.environ["CUDA_VISIBLE_DEVICES"],
         "started": started, "ended": datetime.now(timezone.utc).isoformat()}))
 """
 
 
-def start_worker(pool: str, tag: str, gpus: str, home: Path) -> subprocess.Popen:
+def start_worker(pool: str, gpus: str, home: Path) -> subprocess.Popen:
     # Each worker stands for a host of its own: its own home and its own host-wide device locks.
     env = {**os.environ, "E31_HOME": str(home), "E31_DEVICE_LOCKS": str(home / "locks"), "E31_GPUS": gpus,
-           "WORKER_TAG": tag, "E31_WATCH_SECONDS": "0.5", "PREFECT_WORKER_QUERY_SECONDS": "1"}
+           "E31_WATCH_SECONDS": "0.5", "PREFECT_WORKER_QUERY_SECONDS": "1"}
     home.mkdir(parents=True, exist_ok=True)
     log = (home / f"worker-{time.monotonic_ns()}.log").open("wb")  # kept: a failure shows what the worker saw
     return subprocess.Popen([str(Path(sys.executable).parent / "prefect"), "worker", "start", "--pool", pool,
@@ -77,8 +80,8 @@ def test_two_workers_share_a_pool_and_a_team_quota_without_renting_twice(prefect
         submitted = cli("e31", "submit", str(job), "--pool", pool)
         assert submitted.returncode == 0, submitted.stderr
         runs[index] = (flow_run_id(submitted.stdout), gpu_type)
-    workers = [start_worker(pool, "a", "2xA100", tmp_path / "host-a"),
-               start_worker(pool, "h", "2xH100", tmp_path / "host-h")]
+    workers = [start_worker(pool, "2xA100", tmp_path / "host-a"),
+               start_worker(pool, "2xH100", tmp_path / "host-h")]
     try:
         deadline = time.monotonic() + 240
         # Done when every run's meter is closed (its outputs are sent before that).
@@ -116,7 +119,7 @@ def test_a_killed_workers_quota_slots_come_back_within_a_lease_and_its_adopter_h
         """, flow=FLOW)
     run_id = flow_run_id(cli("e31", "submit", str(job), "--pool", pool).stdout)
     home = tmp_path / "host"
-    worker = start_worker(pool, "a", "2xH100", home)
+    worker = start_worker(pool, "2xH100", home)
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and not read_run(run_id).state.is_running():
@@ -132,7 +135,7 @@ def test_a_killed_workers_quota_slots_come_back_within_a_lease_and_its_adopter_h
     # The run goes on under its supervisor; the next worker on its host adopts it and holds its slots again.
     record = RunFolder(home / "ledger" / str(run_id)).record()
     assert process_running(int(record.infrastructure))
-    adopter = start_worker(pool, "a", "2xH100", home)
+    adopter = start_worker(pool, "2xH100", home)
     try:
         deadline = time.monotonic() + 60
         while active_slots(f"e31-pool-{pool}") != 2 and time.monotonic() < deadline:
