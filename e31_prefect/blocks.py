@@ -139,6 +139,17 @@ class E31Storage(WritableFileSystem):
         raise NotImplementedError("E31 Storage holds job data and outputs, not flow code")
 
 
+async def load_job_storage(name: str, team: str | None) -> E31Storage:
+    """The named E31 Storage block for a job of ``team``: :func:`load_storage`, refusing a block that is not
+    that team's."""
+    block = await load_storage(name)
+    if not block.serves(team):
+        raise StorageBlockError(
+            f"storage block {name!r} is for team(s) {', '.join(block.teams)}, and this job's team is "
+            f"{team or 'none'}: name a block of the job's team, or ask its owner to add it")
+    return block
+
+
 async def load_storage(name: str) -> E31Storage:
     """The named E31 Storage block; :class:`StorageBlockError` says how to create it if it is missing."""
     try:

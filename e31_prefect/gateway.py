@@ -74,28 +74,12 @@ def _always(owned: Owned, ids: tuple[str, ...], body: Any) -> bool:
     return True
 
 
-def _own_flow_run(owned: Owned, ids: tuple[str, ...], body: Any) -> bool:
-    return ids[0] in owned.flow_runs
+def _own(kind: str) -> Any:
+    """A check that the id in the path is one of the job's own ``kind`` (flow_runs, task_runs, ...)."""
+    def check(owned: Owned, ids: tuple[str, ...], body: Any) -> bool:
+        return ids[0] in getattr(owned, kind)
 
-
-def _own_task_run(owned: Owned, ids: tuple[str, ...], body: Any) -> bool:
-    return ids[0] in owned.task_runs
-
-
-def _own_deployment(owned: Owned, ids: tuple[str, ...], body: Any) -> bool:
-    return ids[0] in owned.deployments
-
-
-def _own_work_queue(owned: Owned, ids: tuple[str, ...], body: Any) -> bool:
-    return ids[0] in owned.work_queues
-
-
-def _own_work_pool(owned: Owned, ids: tuple[str, ...], body: Any) -> bool:
-    return ids[0] in owned.work_pools
-
-
-def _own_artifact(owned: Owned, ids: tuple[str, ...], body: Any) -> bool:
-    return ids[0] in owned.artifacts
+    return check
 
 
 def _subflow_of_own_task(owned: Owned, ids: tuple[str, ...], body: Any) -> bool:
@@ -137,25 +121,25 @@ ROUTES: list[tuple[str, re.Pattern[str], Any]] = [
         ("GET", r"/admin/version", _always),
         ("GET", r"/csrf-token", _always),
         ("GET", r"/admin/storage", _always),  # where the server keeps results by default (a block's id)
-        ("GET", rf"/flow_runs/{_ID}", _own_flow_run),
-        ("PATCH", rf"/flow_runs/{_ID}", _own_flow_run),
-        ("PATCH", rf"/flow_runs/{_ID}/labels", _own_flow_run),
-        ("POST", rf"/flow_runs/{_ID}/set_state", _own_flow_run),
-        ("GET", rf"/flow_runs/{_ID}/input(?:/[^/]+)?", _own_flow_run),
-        ("POST", rf"/flow_runs/{_ID}/input(?:/[^/]+)?", _own_flow_run),
+        ("GET", rf"/flow_runs/{_ID}", _own("flow_runs")),
+        ("PATCH", rf"/flow_runs/{_ID}", _own("flow_runs")),
+        ("PATCH", rf"/flow_runs/{_ID}/labels", _own("flow_runs")),
+        ("POST", rf"/flow_runs/{_ID}/set_state", _own("flow_runs")),
+        ("GET", rf"/flow_runs/{_ID}/input(?:/[^/]+)?", _own("flow_runs")),
+        ("POST", rf"/flow_runs/{_ID}/input(?:/[^/]+)?", _own("flow_runs")),
         ("POST", r"/flow_runs/?", _subflow_of_own_task),
         ("POST", r"/flow_runs/filter", _filter_of_own_runs),
-        ("GET", rf"/deployments/{_ID}", _own_deployment),
-        ("GET", rf"/work_queues/{_ID}", _own_work_queue),
-        ("GET", r"/work_pools/([^/]+)", _own_work_pool),
+        ("GET", rf"/deployments/{_ID}", _own("deployments")),
+        ("GET", rf"/work_queues/{_ID}", _own("work_queues")),
+        ("GET", r"/work_pools/([^/]+)", _own("work_pools")),
         ("GET", rf"/flows/{_ID}", _always),  # a flow is a name; its runs are what is guarded
         ("POST", r"/flows/?", _always),
         ("POST", r"/task_runs/?", _task_of_own_flow),
-        ("GET", rf"/task_runs/{_ID}", _own_task_run),
-        ("POST", rf"/task_runs/{_ID}/set_state", _own_task_run),
+        ("GET", rf"/task_runs/{_ID}", _own("task_runs")),
+        ("POST", rf"/task_runs/{_ID}/set_state", _own("task_runs")),
         ("POST", r"/logs/?", _own_entries),
         ("POST", r"/artifacts/?", _own_entries),
-        ("PATCH", rf"/artifacts/{_ID}", _own_artifact),
+        ("PATCH", rf"/artifacts/{_ID}", _own("artifacts")),
         ("GET", r"/events/in", _always),  # the events websockets, judged message by message
         ("GET", r"/events/out", _always),
     ]

@@ -34,7 +34,7 @@ from prefect.client.schemas.objects import FlowRun, State
 from prefect.exceptions import ObjectNotFound
 
 from e31_prefect import cgroups, endings, quotas, reporting, results, spool, timing
-from e31_prefect.blocks import StorageBlockError, load_storage
+from e31_prefect.blocks import StorageBlockError, load_job_storage
 from e31_prefect.endings import Ending
 from e31_prefect.inventory import Device, pick_devices
 from e31_prefect.job import Job, JobError
@@ -292,11 +292,7 @@ class JobLife:
         """Copy the job's data into its workspace, verified and read-only, before any GPU is held."""
         (self.workspace / "output").mkdir(parents=True, exist_ok=True)
         try:
-            self.storage = await load_storage(job.storage) if job.storage else None
-            if self.storage is not None and not self.storage.serves(job.team):
-                raise StorageBlockError(
-                    f"storage block {job.storage!r} is for team(s) {', '.join(self.storage.teams)}, and this job's "
-                    f"team is {job.team or 'none'}: name a block of the job's team, or ask its owner to add it")
+            self.storage = await load_job_storage(job.storage, job.team) if job.storage else None
             self.options = self.storage.fsspec_options() if self.storage else None
             staged = await anyio.to_thread.run_sync(stage_inputs, job.data, self.workspace / "data", self.options,
                                                     self.log, abandon_on_cancel=True)
@@ -635,11 +631,7 @@ class JobLife:
 
     async def _resume(self, folder: RunFolder, job: Job) -> Ending | None:
         try:
-            self.storage = await load_storage(job.storage) if job.storage else None
-            if self.storage is not None and not self.storage.serves(job.team):
-                raise StorageBlockError(
-                    f"storage block {job.storage!r} is for team(s) {', '.join(self.storage.teams)}, and this job's "
-                    f"team is {job.team or 'none'}: name a block of the job's team, or ask its owner to add it")
+            self.storage = await load_job_storage(job.storage, job.team) if job.storage else None
             self.options = self.storage.fsspec_options() if self.storage else None
         except StorageBlockError as exc:
             self.log.warning("Outputs of this run may go to the spool: %s", exc)
