@@ -104,38 +104,34 @@ def test_applied_block_stages_and_sends_with_its_credentials_and_the_result_read
     assert state.result() == {"files": ["in/a.bin", "in/deep/b.bin"], "bytes": 4300}
 
 
-def test_a_job_naming_a_block_that_does_not_exist_fails_before_renting(prefect_server, tmp_path, pool):
-    job = write_job(tmp_path / "nostore", """
-        name: no-such-store
-        storage: not-applied-yet
-        work: {flow: flow.py:inventory}
-        request: {gpus: 1, max_duration: 5m}
+def staging_message_of(folder: Path, team: str, storage: str, pool: str) -> str:
+    """Run a job naming ``storage``; it must fail StagingFailed before renting. Its state's message."""
+    job = write_job(folder, f"""
+        name: {folder.name}
+        team: {team}
+        storage: {storage}
+        work: {{flow: flow.py:inventory}}
+        request: {{gpus: 1, max_duration: 5m}}
         """, flow=FLOW)
     result = cli("e31", "run", str(job), "--pool", pool, gpus="1xH100")
     assert result.returncode == 1
     run = read_run(flow_run_id(result.stdout))
     assert run.state.name == "StagingFailed"
-    assert "not-applied-yet" in run.state.message and "e31 blocks apply blocks/" in run.state.message
     assert "e31:billed-s=0" in run.tags
+    return run.state.message
+
+
+def test_a_job_naming_a_block_that_does_not_exist_fails_before_renting(prefect_server, tmp_path, pool):
+    message = staging_message_of(tmp_path / "nostore", "vision", "not-applied-yet", pool)
+    assert "not-applied-yet" in message and "e31 blocks apply blocks/" in message
 
 
 def test_a_job_of_another_team_naming_a_teams_block_fails_before_renting(prefect_server, tmp_path, pool):
     from e31_prefect.blocks import E31Storage
 
     E31Storage(endpoint_url="http://127.0.0.1:1", teams=["vision"]).save("vision-store", overwrite=True)
-    job = write_job(tmp_path / "borrow", """
-        name: borrow
-        team: speech
-        storage: vision-store
-        work: {flow: flow.py:inventory}
-        request: {gpus: 1, max_duration: 5m}
-        """, flow=FLOW)
-    result = cli("e31", "run", str(job), "--pool", pool, gpus="1xH100")
-    assert result.returncode == 1
-    run = read_run(flow_run_id(result.stdout))
-    assert run.state.name == "StagingFailed"
-    assert "'vision-store' is for team(s) vision, and this job's team is speech" in run.state.message
-    assert "e31:billed-s=0" in run.tags
+    message = staging_message_of(tmp_path / "borrow", "speech", "vision-store", pool)
+    assert "'vision-store' is for team(s) vision, and this job's team is speech" in message
 
 
 def test_wrong_credentials_fail_before_renting_naming_the_url(prefect_server, s3_server, tmp_path, pool,
