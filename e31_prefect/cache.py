@@ -15,6 +15,16 @@ which also separates threads of one process) lets one fill the entry while the
 other waits, then links it. Only verified bytes enter the cache: the filler
 checks the size and, where the ETag is a plain MD5, the MD5 before the entry
 appears (by an atomic rename), so a bad download never becomes an entry.
+
+No job changes what a later job stages. Entries are read-only, but a job
+running as the worker's user can make its linked copy writable again and
+write through it. So what was verified is recorded beside the entry (its
+size, modification time and change time: the change time moves with every
+write or ``chmod`` and no user can set it back) and checked on every hit;
+an entry that changed is evicted, said in the log, and fetched again. The
+cache's own link, unlink and use of an entry move its change time too, so
+each records the new one under the entry's lock; a workspace is removed
+through :meth:`ContentCache.release` for the same reason.
 """
 
 from __future__ import annotations
@@ -23,21 +33,23 @@ import contextlib
 import errno
 import fcntl
 import hashlib
+import logging
 import os
 import re
 import shutil
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-# Every entry carries this modification time; an entry whose mtime differs was written to
-# through a workspace link (a job running as root ignores the read-only bits) and is dropped.
-ENTRY_MTIME_NS = 946_684_800 * 10**9  # 2000-01-01T00:00:00Z
 LOCK_PREFIX = 3  # hex digits of the key that name its lock
+RECORD_BYTES = 128  # a verification record's length: each is rewritten whole, in place
 _MD5_ETAG = re.compile(r"^[0-9a-f]{32}$")
 _MULTIPART_ETAG = re.compile(r"^[0-9a-f]{32}-\d+$")
+
+logger = logging.getLogger("e31.cache")
 
 
 def plain_etag(etag: str | None) -> str | None:
@@ -96,6 +108,35 @@ def plan_eviction(entries: list[Entry], bound: int) -> list[str]:
     return victims
 
 
+@dataclass(frozen=True)
+class Verified:
+    """What the cache verified of an entry's file when it last wrote or linked it: a later hit must find the same.
+
+    The change time (``st_ctime_ns``) is the one a job cannot forge: any write, ``chmod`` or ``utime``
+    moves it, and no call sets it back.
+    """
+
+    key: str
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+
+    @classmethod
+    def of(cls, key: str, info: os.stat_result) -> Verified:
+        """The record of ``key``'s file as ``info`` (its ``stat``) shows it."""
+        return cls(key, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
+
+
+def changed_since_verified(record: Verified | None, key: str, info: os.stat_result) -> str | None:
+    """How the entry ``key`` (whose ``stat`` is ``info``) differs from what was verified; None where it does not."""
+    if record is None or record.key != key:
+        return "no record of it being verified"
+    now = Verified.of(key, info)
+    differences = [f"{name} {getattr(record, name)} -> {getattr(now, name)}"
+                   for name in ("size", "mtime_ns", "ctime_ns") if getattr(record, name) != getattr(now, name)]
+    return ("changed since it was verified (" + ", ".join(differences) + ")") if differences else None
+
+
 class CacheCorrupt(RuntimeError):
     """A download did not match what the store said about the object; it never entered the cache."""
 
@@ -108,6 +149,7 @@ class CacheCounters:
     hit_bytes: int = 0
     downloads: int = 0
     downloaded_bytes: int = 0
+    changed: list[str] = field(default_factory=list)  # keys evicted because their bytes changed
 
 
 class ContentCache:
@@ -119,7 +161,8 @@ class ContentCache:
         self.objects = root / "objects"
         self.locks = root / "locks"
         self.incoming = root / "incoming"
-        for folder in (self.objects, self.locks, self.incoming):
+        self.verified = root / "verified"  # one record per entry, named by its file (device and inode)
+        for folder in (self.objects, self.locks, self.incoming, self.verified):
             folder.mkdir(parents=True, exist_ok=True)
         self.counters = CacheCounters()
         self._counting = threading.Lock()
@@ -170,13 +213,13 @@ class ContentCache:
             try:
                 check(incoming, size, md5, fill(incoming))
                 incoming.chmod(0o444)
-                os.utime(incoming, ns=(time.time_ns(), ENTRY_MTIME_NS))
                 if size > self.bound_bytes:
                     # Larger than the whole cache: staged, never kept.
                     target.parent.mkdir(parents=True, exist_ok=True)
                     os.replace(incoming, target)
                 else:
                     os.replace(incoming, self.objects / key)
+                    self._record(key)  # what was just checked, as it now lies in the cache
                     if not self._link(key, size, target):
                         raise CacheCorrupt(f"cache entry {key} vanished while it was being linked")
             finally:
@@ -186,28 +229,29 @@ class ContentCache:
             return False
 
     def take(self, key: str, size: int, target: Path) -> bool:
-        """Link the entry ``key`` at ``target`` if the cache holds it; False (nothing done) if not.
+        """Link the entry ``key`` at ``target`` if the cache holds it unchanged; False (nothing done) if not.
 
-        No lock is needed: eviction removes only entries no workspace links to, and an entry removed
-        between the look and the link makes the link fail, which is a miss.
+        Under the entry's lock: linking moves the entry's change time, and the new one is recorded
+        before anyone else may look at it.
         """
-        try:
+        with self._locked(key, exclusive=True):
             linked = self._link(key, size, target)
-        except FileNotFoundError:
-            return False
         if linked:
             self._count(True, size)
         return linked
 
     def _link(self, key: str, size: int, target: Path) -> bool:
+        """Link the entry at ``target`` if it is what was verified (else evict it); the caller holds its lock."""
         entry = self.objects / key
         try:
             found = entry.stat()
         except FileNotFoundError:
             return False
-        if found.st_size != size or found.st_mtime_ns != ENTRY_MTIME_NS:
-            # Changed through a workspace link: it is not the object any more.
-            entry.unlink(missing_ok=True)
+        why = "is not the object's size" if found.st_size != size else \
+            changed_since_verified(self._read_record(found), key, found)
+        if why is not None:
+            # Written through a workspace link, or left by an e31 that kept no record: not the object any more.
+            self._evict(key, found, why)
             return False
         target.parent.mkdir(parents=True, exist_ok=True)
         try:
@@ -219,16 +263,101 @@ class ContentCache:
             if exc.errno not in (errno.EXDEV, errno.EMLINK, errno.EPERM):
                 raise
             shutil.copyfile(entry, target)  # another filesystem: a copy, still no download
-        os.utime(entry, ns=(time.time_ns(), ENTRY_MTIME_NS))  # atime: last use, for eviction
+        # Recorded anew (its link moved the entry's change time); the record's own mtime is the last use.
+        after = self._record(key)
+        if after is not None and (after.size, after.mtime_ns) != (found.st_size, found.st_mtime_ns):
+            # Written to between the check and the link: neither the entry nor this link is trusted.
+            self._evict(key, entry.stat(), "changed while it was being linked")
+            target.unlink(missing_ok=True)
+            return False
         return True
 
+    def release(self, path: Path) -> bool:
+        """Remove ``path`` if it is a workspace's link to an entry, keeping the entry's record true.
+
+        Unlinking moves the entry's change time, so a workspace removed without this would make the
+        next hit fetch the object again. An entry found changed here is evicted. False where ``path``
+        is no link to an entry (the caller removes it as any other file).
+        """
+        try:
+            info = path.lstat()
+        except FileNotFoundError:
+            return False
+        if not stat.S_ISREG(info.st_mode) or info.st_nlink < 2:
+            return False
+        record = self._read_record(info)
+        if record is None:
+            return False
+        with self._locked(record.key, exclusive=True):
+            entry = self.objects / record.key
+            try:
+                found = entry.stat()
+            except FileNotFoundError:
+                return False
+            if (found.st_dev, found.st_ino) != (info.st_dev, info.st_ino):
+                return False
+            why = changed_since_verified(self._read_record(found), record.key, found)
+            path.unlink()
+            if why is None:
+                self._record(record.key)
+            else:
+                self._evict(record.key, found, why)
+        return True
+
+    def _record_path(self, info: os.stat_result) -> Path:
+        return self.verified / f"{info.st_dev}-{info.st_ino}"
+
+    def _read_record(self, info: os.stat_result) -> Verified | None:
+        try:
+            key, size, mtime_ns, ctime_ns = self._record_path(info).read_text().split()
+            return Verified(key, int(size), int(mtime_ns), int(ctime_ns))
+        except (FileNotFoundError, ValueError):
+            return None  # none, or torn by a worker killed mid-write: the entry is fetched again
+
+    def _record(self, key: str) -> Verified | None:
+        """Record the entry ``key`` as it is now (the caller holds its lock and knows its bytes are right).
+
+        The record is rewritten in place at a fixed length: creating a file costs far more than the
+        link it accompanies on some filesystems, and each hit writes one.
+        """
+        try:
+            info = (self.objects / key).stat()
+        except FileNotFoundError:
+            return None
+        record = Verified.of(key, info)
+        text = f"{key} {record.size} {record.mtime_ns} {record.ctime_ns}".ljust(RECORD_BYTES - 1) + "\n"
+        fd = os.open(self._record_path(info), os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            os.pwrite(fd, text.encode(), 0)
+        finally:
+            os.close(fd)
+        return record
+
+    def _evict(self, key: str, info: os.stat_result, why: str) -> None:
+        """Drop an entry whose bytes are no longer those verified; the next stage fetches it again."""
+        logger.warning("Cache entry %s %s: evicted, the object is fetched again", key, why)
+        with self._counting:
+            self.counters.changed.append(key)
+        with contextlib.suppress(FileNotFoundError):
+            if (self.objects / key).stat().st_ino == info.st_ino:
+                (self.objects / key).unlink()
+        self._record_path(info).unlink(missing_ok=True)
+
     def entries(self) -> list[Entry]:
-        """Every entry, with its size, last use and whether a workspace holds it."""
+        """Every entry, with its size, last use and whether a workspace holds it.
+
+        The last use is when its record was last written (each link writes it): touching the entry
+        itself would move its change time.
+        """
         found = []
         for path in self.objects.iterdir():
             with contextlib.suppress(FileNotFoundError):
                 info = path.stat()
-                found.append(Entry(path.name, info.st_size, info.st_atime, info.st_nlink > 1))
+                try:
+                    used = self._record_path(info).stat().st_mtime
+                except FileNotFoundError:
+                    used = info.st_mtime
+                found.append(Entry(path.name, info.st_size, used, info.st_nlink > 1))
         return found
 
     @property
@@ -248,8 +377,10 @@ class ContentCache:
                     continue  # being linked or filled right now
                 entry = self.objects / key
                 with contextlib.suppress(FileNotFoundError):
-                    if entry.stat().st_nlink == 1:
+                    info = entry.stat()
+                    if info.st_nlink == 1:
                         entry.unlink()
+                        self._record_path(info).unlink(missing_ok=True)
                         evicted.append(key)
             finally:
                 os.close(fd)

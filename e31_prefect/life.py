@@ -23,7 +23,6 @@ from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from datetime import datetime, timedelta
 from pathlib import Path
-from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 from uuid import UUID
 
@@ -481,7 +480,13 @@ class JobLife:
         return (await self.worker.client.read_flow_run(self.run_id)).state
 
     async def send(self, job: Job) -> Ending | None:
-        """Send the output dir to its destination; keep it in the spool if the store will not take it."""
+        """Send the output dir to its destination; keep it in the spool if the store will not take it.
+
+        Only the job's own files go (regular files with one name); a link or special file it left is
+        not followed, and the log, the ``output`` event, an artifact and the run's final message name it.
+        """
+        from e31_prefect import confine
+
         assert self.holding is not None
         output_dir = self.workspace / "output"
         destination = self.holding.destination or self._destination(job)
@@ -498,23 +503,84 @@ class JobLife:
             return endings.OUTPUT_NOT_SENT.saying(kept.message())
         self.meter.mark("output", now())
         self._save()
-        self.report.step("output", files=sent.files, bytes=sent.bytes, destination=destination)
+        self.report.step("output", files=sent.files, bytes=sent.bytes, destination=destination,
+                         skipped=[str(item) for item in sent.skipped])
+        if sent.skipped:
+            await self._record_skipped(job, sent.skipped)
         missing = missing_outputs(output_dir, job.output.expect)
         state = await self._flow_state()
+        not_sent = f" {confine.skipped_summary(sent.skipped)}." if sent.skipped else ""
         if missing and state is not None and state.is_completed():
             return endings.OUTPUT_MISSING.saying("Expected output missing: " + ", ".join(missing)
-                                                 + f" (the run wrote {sent.files} file(s) to {destination}).")
+                                                 + f" (the run wrote {sent.files} file(s) to {destination})."
+                                                 + not_sent)
         await results.point_result_at_outputs(self.worker.client, self.run_id, output_dir, destination,
                                               self.storage, self.log)
+        if sent.skipped:
+            await self._say_in_final_state(not_sent.strip())
         return None
 
+    async def _record_skipped(self, job: Job, skipped: tuple[Any, ...]) -> None:
+        """An artifact on the run naming each entry of its output dir that was not sent, and why."""
+        from prefect.client.schemas.actions import ArtifactCreate
+
+        lines = [f"**{len(skipped)} entr{'y' if len(skipped) == 1 else 'ies'} of the output dir not sent.** Only "
+                 "regular files with one name are the job's own bytes: links (symbolic or hard) are never "
+                 "followed and special files are never read.", "",
+                 *(f"- `{item.path}`: {item.why}" for item in skipped)]
+        try:
+            await self.worker.client.create_artifact(ArtifactCreate(
+                key=reporting.artifact_key("e31-skipped", job.name), type="markdown",
+                description=f"{len(skipped)} output(s) of {job.name} not sent: links or special files",
+                data="\n".join(lines), flow_run_id=self.run_id))
+        except Exception as exc:  # the log and the final message still name them
+            self.log.warning("The artifact naming the outputs not sent could not be created: %s", exc)
+
+    async def _say_in_final_state(self, note: str) -> None:
+        """Add ``note`` to the run's final state message, keeping its state and result."""
+        from prefect.results import ResultRecord, ResultRecordMetadata
+
+        state = await self._flow_state()
+        if state is None or not state.is_final() or note in (state.message or ""):
+            return
+        data: Any = state.data
+        if isinstance(data, ResultRecordMetadata):
+            data = ResultRecord(result=None, metadata=data)
+            data.mark_persisted()  # already written: Prefect sends its metadata only
+        message = f"{state.message.rstrip()} {note}" if state.message else note
+        await self.worker.client.set_flow_run_state(
+            self.run_id, State(type=state.type, name=state.name, message=message, data=data), force=True)
+
     def _destination(self, job: Job) -> str:
-        template = job.output.to or f"file://{self.worker.settings.home / 'outputs'}/{{flow_run.id}}/"
-        return template.format(
-            flow_run=SimpleNamespace(id=str(self.run_id), name=self.flow_run.name),
-            date=scheduled_start(self.flow_run).date().isoformat(),
-            job=job.name,
-        )
+        """Where the run's outputs go: ``output.to`` with each template value one path segment.
+
+        A ``file://`` destination is returned as its real path, and only under the folders this run may
+        write: the job's folder, the team's roots (``E31_FILE_ROOTS``) and the run's own folder of the
+        worker's outputs; anywhere else ends the run ``InvalidJob``.
+        """
+        from e31_prefect import confine
+
+        settings = self.worker.settings
+        outputs = settings.home.expanduser() / "outputs"
+        template = job.output.to or f"file://{outputs}/{{flow_run.id}}/"
+        url = confine.format_destination(template, str(self.run_id), self.flow_run.name,
+                                         scheduled_start(self.flow_run).date().isoformat(), job.name)
+        if "://" in url and not url.startswith("file://"):
+            return url
+        roots = [*self._file_roots(job), outputs / str(self.run_id)]
+        try:
+            real = confine.confine_file_url(url, roots, "output.to", job.team)
+        except confine.PathRefused as exc:
+            raise Ends(endings.INVALID_JOB.saying(f"The job's outputs may not go there: {exc}.")) from None
+        return f"file://{real.rstrip('/')}/"
+
+    def _file_roots(self, job: Job) -> list[Path]:
+        """The folders the run may name in ``file://``: its team's (``E31_FILE_ROOTS``) and its job's folder
+        (the job file's, else the deployment's code folder)."""
+        from e31_prefect import confine
+
+        folder = getattr(self.configuration, "_job_folder", None) or getattr(self.configuration, "_code_folder", None)
+        return confine.run_roots(self.worker.settings.file_roots, job.team, folder)
 
     # -- release ----------------------------------------------------------------------------------
 

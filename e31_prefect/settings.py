@@ -114,3 +114,20 @@ class E31Settings(BaseSettings):
     def spool(self) -> Path:
         """Outputs kept because their destination could not take them."""
         return self.home.expanduser() / "spool"
+
+    file_roots: dict[str, list[Path]] = Field(
+        default_factory=dict,
+        description="Host folders each team's jobs may name in file:// inputs and destinations, besides their "
+        'own job folder, as JSON (team -> folders; "*" is every team): '
+        'E31_FILE_ROOTS=\'{"*": ["/datasets"], "vision": ["/results/vision"]}\'. None by default.',
+    )
+
+    @field_validator("file_roots")
+    @classmethod
+    def _absolute_roots(cls, value: dict[str, list[Path]]) -> dict[str, list[Path]]:
+        for team, roots in value.items():
+            for root in roots:
+                if not root.is_absolute():
+                    raise ValueError(f"team {team!r}: {str(root)!r} is not an absolute folder; give each root "
+                                     "as an absolute path, e.g. /datasets")
+        return value

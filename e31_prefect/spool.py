@@ -9,6 +9,11 @@ block, never a credential), which flow run wrote them, how the flow itself
 ended, and every file with its size. Nothing is removed until every file is
 verified in the store; running the retry twice, or at once from two shells,
 sends nothing twice and loses nothing.
+
+Only the job's own bytes are kept and sent: the same walk as any send
+(:func:`e31_prefect.staging.own_files`) finds the regular files with one
+name; a link, hard link or special file the job left is neither moved nor
+followed, and the manifest and the run's message name it.
 """
 
 from __future__ import annotations
@@ -26,7 +31,8 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 from uuid import UUID
 
-from e31_prefect.staging import UploadError, upload_outputs
+from e31_prefect.confine import Skipped, skipped_summary
+from e31_prefect.staging import UploadError, own_files, upload_outputs
 
 MANIFEST = "manifest.json"
 RETRY_COMMAND = "e31 outputs retry {run_id}"
@@ -50,6 +56,7 @@ class Kept:
     reason: str = ""
     kept_at: str = ""
     files: list[dict[str, Any]] = field(default_factory=list)
+    skipped: list[dict[str, str]] = field(default_factory=list)  # not kept: links and special files, and why
     entry: str = ""
 
     @property
@@ -69,32 +76,41 @@ class Kept:
 
     def message(self) -> str:
         """The run's state message: what happened, where the outputs are, and the command that sends them."""
-        return (f"Outputs could not be sent ({self.reason}); {len(self.files)} file(s), {self.bytes / 1e6:.2f} MB "
+        text = (f"Outputs could not be sent ({self.reason}); {len(self.files)} file(s), {self.bytes / 1e6:.2f} MB "
                 f"are kept at {self.outputs_url} on host {os.uname().nodename}. Send them with "
                 f"`{RETRY_COMMAND.format(run_id=self.flow_run_id)}` once the store is back.")
+        return text + (f" {skipped_summary(self.not_kept)}." if self.skipped else "")
+
+    @property
+    def not_kept(self) -> list[Skipped]:
+        """What the job left in its output dir that is not its own bytes, so neither kept nor sent."""
+        return [Skipped(item["path"], item["why"]) for item in self.skipped]
 
 
 def keep(output_dir: Path, spool: Path, flow_run_id: str, destination: str | None, storage: str | None = None,
          job_name: str | None = None, flow_state: str | None = None, reason: str = "") -> Kept:
-    """Move a run's outputs into the spool with a manifest; returns what was kept.
+    """Move a run's own output files into the spool with a manifest; returns what was kept.
 
-    A run kept twice (its outputs failed again) gathers every file in the one entry.
+    A run kept twice (its outputs failed again) gathers every file in the one entry. Links and special
+    files are left where they are (the workspace goes with them) and named in the manifest.
     """
     entry = spool / flow_run_id
     outputs = entry / "outputs"
-    outputs.parent.mkdir(parents=True, exist_ok=True)
-    if not outputs.exists():
-        shutil.move(str(output_dir), str(outputs))
-    else:
-        for path in sorted(p for p in output_dir.rglob("*") if p.is_file()):
-            target = outputs / path.relative_to(output_dir)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(path, target)
-    files = [{"path": p.relative_to(outputs).as_posix(), "size": p.stat().st_size}
-             for p in sorted(outputs.rglob("*")) if p.is_file()]
+    outputs.mkdir(parents=True, exist_ok=True)
+    files, skipped = own_files(output_dir)
+    for path in files:
+        target = outputs / path.relative_to(output_dir)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(path, target)  # a rename on one filesystem; a copy of the file itself across two
+    earlier = read(spool, flow_run_id)
+    found = [{"path": p.relative_to(outputs).as_posix(), "size": p.stat().st_size}
+             for p in sorted(outputs.rglob("*")) if p.is_file() and not p.is_symlink()]
+    not_kept = {item["path"]: item for item in (earlier.skipped if earlier else [])}
+    not_kept.update({item.path: {"path": item.path, "why": item.why} for item in skipped})
     kept = Kept(flow_run_id=flow_run_id, destination=destination, storage=storage, job_name=job_name,
-                flow_state=flow_state, reason=reason, files=files, entry=str(entry),
-                kept_at=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+                flow_state=flow_state, reason=reason, files=found, skipped=sorted(not_kept.values(),
+                                                                                  key=lambda i: i["path"]),
+                entry=str(entry), kept_at=datetime.now(timezone.utc).isoformat(timespec="seconds"))
     _write_manifest(kept)
     return kept
 
@@ -140,6 +156,7 @@ class Sent:
     bytes: int
     destination: str
     seconds: float
+    skipped: tuple[Skipped, ...] = ()  # found in the spool but not sent: links and special files
 
 
 def send_kept(spool: Path, flow_run_id: str, options: dict[str, Any] | None, destination: str | None = None,
@@ -156,13 +173,22 @@ def send_kept(spool: Path, flow_run_id: str, options: dict[str, Any] | None, des
         if not target:
             raise SpoolError(f"the outputs of {flow_run_id} kept at {kept.outputs_url} have no destination on "
                              "record; give one with --to URL")
+        if destination and _is_local(destination):
+            # A folder the caller names is theirs to name: its links are followed here, once; nothing
+            # beneath it is written through a link.
+            destination = target = f"file://{os.path.realpath(destination.removeprefix('file://'))}/"
         try:
             sent = upload_outputs(kept.outputs, target, options, log=log)
         except UploadError as exc:
             raise SpoolError(f"{exc}; the outputs stay kept at {kept.outputs_url}. Try again once the store is "
                              "back.") from None
         shutil.rmtree(kept.entry)
-    return kept, Sent(sent.files, sent.bytes, target, sent.seconds)
+    return kept, Sent(sent.files, sent.bytes, target, sent.seconds, sent.skipped)
+
+
+def _is_local(url: str) -> bool:
+    scheme = url.split("://", 1)[0] if "://" in url else "file"
+    return scheme == "file"
 
 
 async def record_kept(client: Any, flow_run_id: UUID, kept: Kept) -> None:
@@ -181,6 +207,9 @@ async def record_kept(client: Any, flow_run_id: UUID, kept: Kept) -> None:
         "",
         f"    {command}",
     ]
+    if kept.skipped:
+        lines += ["", "**Not kept, never sent** (only regular files are: links and special files are not followed):",
+                  "", *(f"- `{item.path}`: {item.why}" for item in kept.not_kept)]
     await client.create_artifact(ArtifactCreate(
         key=artifact_key("e31-spool", kept.job_name or "job"), type="markdown",
         description=f"Outputs kept on {os.uname().nodename}: {command}",
@@ -270,6 +299,9 @@ async def retry(run_id: str, spool: Path, destination: str | None = None) -> int
     kept, sent = result
     print(f"Sent {sent.files} file(s), {sent.bytes / 1e6:.2f} MB of {flow_run_id} to {sent.destination} "
           f"(verified) in {sent.seconds:.2f} s; removed {kept.entry}.")
+    not_sent = [*kept.not_kept, *sent.skipped]
+    if not_sent:
+        print(f"Not sent: {skipped_summary(not_sent, limit=len(not_sent))}.")
     try:
         async with get_client() as client:
             state = await record_sent(client, flow_run_id, kept, sent)

@@ -7,23 +7,32 @@ where the job gives one), S3 objects through the host's content cache
 from host disk after the devices are back in the pool, many at once, verified
 and retried with backoff; a destination that stays down leaves them in the
 spool (:mod:`e31_prefect.spool`) for ``e31 outputs retry``.
+
+The paths stay where the job may go (:mod:`e31_prefect.confine`): ``file://``
+inputs come only from the roots the run may read, and never through a link
+out of a staged folder; only the job's own bytes leave its output dir (regular
+files with one name, found without following a link), and what is not sent is
+reported by name.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import shutil
 import stat
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from e31_prefect import store
+from e31_prefect import confine, store
 from e31_prefect.cache import ContentCache, cache_key, check, etag_md5, file_digest
+from e31_prefect.confine import Skipped
 from e31_prefect.job import DataInput
 
 # Many small objects cost a round trip each: enough threads keep the store busy while some wait.
@@ -52,6 +61,7 @@ class Transfer:
     seconds: float
     cached_files: int = 0
     downloaded_bytes: int = 0
+    skipped: tuple[Skipped, ...] = ()  # outputs not sent: links and special files
 
     @property
     def megabytes_per_second(self) -> float:
@@ -64,6 +74,8 @@ class Transfer:
         if self.cached_files:
             text += (f"; {self.cached_files} from the host's cache, "
                      f"{self.downloaded_bytes / 1e6:.2f} MB downloaded")
+        if self.skipped:
+            text += f"; {len(self.skipped)} not sent (links or special files)"
         return text
 
 
@@ -128,6 +140,8 @@ def stage_inputs(
     options: dict[str, Any] | None = None,
     log: Log | None = None,
     cache: ContentCache | bool = True,
+    roots: Sequence[Path] | None = None,
+    team: str | None = None,
 ) -> Transfer:
     """Copy every input under ``data_dir``, verify it, and make the tree read-only.
 
@@ -135,12 +149,17 @@ def stage_inputs(
     False for none, or a :class:`ContentCache`. S3 objects go through the cache; ``file://``
     inputs are copied directly (they are on this host already, and a local file has no content
     tag: size and mtime could take a file rewritten within the same second for the old one).
+
+    ``roots``: the folders ``file://`` inputs may come from (:func:`e31_prefect.confine.run_roots`
+    for the job's ``team``); an input elsewhere fails :class:`StagingError` before anything is
+    copied. None checks no root: only for a caller that trusts every path it stages. Whatever the
+    roots, a link in a staged folder is followed only to a file inside that folder.
     """
     started = time.monotonic()
     content_cache = host_cache() if cache is True else (cache or None)
     before = (content_cache.counters.hits, content_cache.counters.hit_bytes) if content_cache else (0, 0)
     data_dir.mkdir(parents=True, exist_ok=True)
-    items = _plan(inputs, data_dir, options)
+    items = _plan(inputs, data_dir, options, roots, team)
     total = sum(item.obj.size for item in items)
     progress = Progress("Staging:", len(items), total, log)
     if log:
@@ -159,6 +178,7 @@ def stage_inputs(
     if failure:
         raise failure
     if content_cache:
+        _say_changed(content_cache, items, log)
         content_cache.trim()
     _make_read_only(data_dir)
     hits, hit_bytes = ((content_cache.counters.hits - before[0], content_cache.counters.hit_bytes - before[1])
@@ -169,11 +189,15 @@ def stage_inputs(
     return result
 
 
-def _plan(inputs: Iterable[DataInput], data_dir: Path, options: dict[str, Any] | None) -> list[_Item]:
+def _plan(inputs: Iterable[DataInput], data_dir: Path, options: dict[str, Any] | None,
+          roots: Sequence[Path] | None = None, team: str | None = None) -> list[_Item]:
     """Each object to stage and where it goes; bad input fails here, before anything is copied."""
     items = []
     for item in inputs:
         fs, root = store.filesystem(item.source, options)
+        if store.is_local(fs):
+            items += _plan_local(item, fs, root, data_dir, roots, team)
+            continue
         prefix = item.source.endswith("/")
         try:
             listed, single = store.listing(fs, root.rstrip("/") if prefix else root, prefix)
@@ -188,6 +212,83 @@ def _plan(inputs: Iterable[DataInput], data_dir: Path, options: dict[str, Any] |
             local = data_dir / item.target / relative if relative else data_dir / item.target
             items.append(_Item(fs, obj, local, f"data {item.source}", item.sha256 if single else None))
     return items
+
+
+def _plan_local(item: DataInput, fs: Any, root: str, data_dir: Path, roots: Sequence[Path] | None,
+                team: str | None) -> list[_Item]:
+    """A ``file://`` input's files, from its real path, once it is known to lie where the run may read."""
+    label = f"data {item.source}"
+    if roots is not None:
+        try:
+            real = confine.confine_file_url(item.source, roots, "data", team)
+        except confine.PathRefused as exc:
+            raise StagingError(str(exc)) from None
+    else:
+        real = os.path.realpath(root)
+    try:
+        info = os.stat(real)
+    except OSError as exc:
+        raise StagingError(f"{label}: " + store.explain(item.source, exc, fs)) from None
+    if stat.S_ISREG(info.st_mode):
+        if item.size is not None and info.st_size != item.size:
+            raise StagingError(f"{label}: is {info.st_size} bytes, the job expects {item.size}; "
+                               "check the URL or the job's size")
+        return [_Item(fs, store.Listed(real, info.st_size, None), data_dir / item.target, label, item.sha256)]
+    if not stat.S_ISDIR(info.st_mode):
+        raise StagingError(f"{label}: is {confine.not_sent_because(info.st_mode, 1)}, not a file or folder; "
+                           "stage regular files and folders only")
+    try:
+        files = _folder_files(real, label)
+    except OSError as exc:  # a folder in it that cannot be read
+        raise StagingError(f"{label}: " + store.explain(exc.filename or item.source, exc, fs)) from None
+    return [_Item(fs, store.Listed(path, size, None), data_dir / item.target / relative, label, None)
+            for relative, path, size in files]
+
+
+def _folder_files(folder: str, label: str) -> list[tuple[str, str, int]]:
+    """Every file of a staged folder: its path in the folder, the real path its bytes are read from, its size.
+
+    The folder is walked without following links. A link is staged as a copy of its target only when
+    that is a regular file inside the folder; a link out of it, to a folder, or a special file (a fifo
+    would hang the staging) fails, naming it.
+    """
+    found: list[tuple[str, str, int]] = []
+    pending = [folder]
+    while pending:
+        current = pending.pop()
+        with os.scandir(current) as entries:
+            listed = sorted(entries, key=lambda e: e.name)
+        for entry in listed:
+            relative = os.path.relpath(entry.path, folder)
+            info = entry.stat(follow_symlinks=False)
+            if stat.S_ISDIR(info.st_mode):
+                pending.append(entry.path)
+            elif stat.S_ISREG(info.st_mode):
+                found.append((relative, entry.path, info.st_size))
+            elif stat.S_ISLNK(info.st_mode):
+                target = os.path.realpath(entry.path)
+                inside = confine.within(target, folder) and os.path.isfile(target)
+                if not inside:
+                    raise StagingError(
+                        f"{label}: {relative} is a symbolic link to {os.readlink(entry.path)}, which is not a file "
+                        f"inside the staged folder {folder}; e31 does not follow links out of a staged folder. "
+                        "Replace the link with the file, or stage its target as an input of its own")
+                found.append((relative, target, os.stat(target).st_size))
+            else:
+                raise StagingError(f"{label}: {relative} is {confine.not_sent_because(info.st_mode, 1)}; "
+                                   "only regular files and folders are staged. Remove it from the folder")
+    return sorted(found)
+
+
+def _say_changed(content_cache: ContentCache, items: list[_Item], log: Log | None) -> None:
+    """Tell the run's log which cached inputs had changed since they were verified (and were fetched again)."""
+    if log is None or not content_cache.counters.changed:
+        return
+    changed = set(content_cache.counters.changed)
+    urls = sorted({f"s3://{i.obj.path}" for i in items
+                   if i.obj.etag and cache_key(i.obj.etag, i.obj.size, f"s3://{i.obj.path}") in changed})
+    log.warning("The host's cache held %d input(s) whose bytes had changed since they were verified (written "
+                "through a job's link?): evicted and fetched again: %s", len(changed), ", ".join(urls) or "?")
 
 
 def _take_cached(item: _Item, content_cache: ContentCache | None, progress: Progress) -> bool:
@@ -222,7 +323,10 @@ def _fetch(item: _Item, content_cache: ContentCache | None, progress: Progress) 
     obj = item.obj
     if not store.is_s3(item.fs):
         item.local.parent.mkdir(parents=True, exist_ok=True)
-        item.fs.get_file(obj.path, str(item.local))
+        if store.is_local(item.fs):
+            store.get_local(obj.path, item.local)  # the real path planned, never through a new link
+        else:
+            item.fs.get_file(obj.path, str(item.local))
         check(item.local, obj.size, None)
         progress.file_done(obj.size)
         return
@@ -241,16 +345,44 @@ def _fetch(item: _Item, content_cache: ContentCache | None, progress: Progress) 
 
 def _make_read_only(root: Path) -> None:
     # The job reads its data; write bits go so a stray write fails instead of changing the cache.
+    # Files already read-only (those linked from the cache) are left alone: even a chmod that
+    # changes nothing moves their change time, which the cache reads as a write.
+    writable = stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH
     for path in [*root.rglob("*"), root]:
-        mode = path.stat().st_mode
-        path.chmod(mode & ~(stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH))
+        mode = path.lstat().st_mode
+        if mode & writable and not stat.S_ISLNK(mode):
+            path.chmod(mode & ~writable)
 
 
-def remove_workspace(root: Path) -> None:
-    """Remove a run's workspace, its read-only data included (hard links to the cache stay in the cache)."""
-    if root.exists():
-        make_writable(root)
-        shutil.rmtree(root, ignore_errors=True)
+def remove_workspace(root: Path, cache: ContentCache | bool = True) -> None:
+    """Remove a run's workspace, its read-only data included (hard links to the cache stay in the cache).
+
+    A file linked from the host's content cache is removed by the cache (``cache``: True for the
+    host's, False for none), which records its entry anew: otherwise the next job to stage it would
+    take the entry's moved change time for a write and fetch it again.
+    """
+    if not root.exists():
+        return
+    make_writable(root)
+    content_cache = host_cache() if cache is True else (cache or None)
+    if content_cache is not None:
+        for path in _linked_files(root):
+            try:
+                content_cache.release(path)
+            except OSError as exc:  # the workspace goes anyway; the entry is only fetched again next time
+                logging.getLogger("e31.staging").warning("Releasing %s from the cache failed: %s", path, exc)
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def _linked_files(root: Path) -> Iterable[Path]:
+    """Regular files under ``root`` with more than one name (``os.walk`` follows no link to a folder)."""
+    for folder, _folders, files in os.walk(root):
+        for name in files:
+            path = Path(folder) / name
+            with contextlib.suppress(OSError):
+                info = path.lstat()
+                if stat.S_ISREG(info.st_mode) and info.st_nlink > 1:
+                    yield path
 
 
 def make_writable(root: Path) -> None:
@@ -266,9 +398,81 @@ def make_writable(root: Path) -> None:
             path.chmod(path.stat().st_mode | stat.S_IWUSR)
 
 
+def own_files(output_dir: Path) -> tuple[list[Path], list[Skipped]]:
+    """The job's own files under ``output_dir`` and what is not sent, found without following any link.
+
+    Only regular files with one name are the job's own bytes (:func:`e31_prefect.confine.not_sent_because`);
+    links, hard links and special files are returned as skipped, with why (a link with its target),
+    so the caller can say which. A missing output dir holds nothing.
+    """
+    try:
+        top = os.lstat(output_dir)
+    except FileNotFoundError:
+        return [], []
+    if not stat.S_ISDIR(top.st_mode):
+        why = confine.not_sent_because(top.st_mode, top.st_nlink) or "not a folder"
+        return [], [Skipped(".", f"the output dir itself is {why}{_target(output_dir, top)}")]
+    files: list[Path] = []
+    skipped: list[Skipped] = []
+    pending = [output_dir]
+    while pending:
+        folder = pending.pop()
+        try:
+            with os.scandir(folder) as listing:
+                entries = list(listing)
+        except OSError as exc:
+            skipped.append(Skipped(_relative(folder, output_dir), f"a folder that could not be read: {exc.strerror}"))
+            continue
+        for entry in entries:
+            path = Path(entry.path)
+            info = entry.stat(follow_symlinks=False)
+            why = confine.not_sent_because(info.st_mode, info.st_nlink)
+            if stat.S_ISDIR(info.st_mode):
+                pending.append(path)
+            elif why is None:
+                files.append(path)
+            else:
+                skipped.append(Skipped(_relative(path, output_dir), why + _target(path, info)))
+    return sorted(files), sorted(skipped, key=lambda s: s.path)
+
+
+def _relative(path: Path, base: Path) -> str:
+    return path.relative_to(base).as_posix() if path != base else "."
+
+
+def _target(path: Path, info: os.stat_result) -> str:
+    """`` to TARGET`` for a symbolic link (read, never followed); nothing for anything else."""
+    if not stat.S_ISLNK(info.st_mode):
+        return ""
+    try:
+        return f" to {os.readlink(path)}"
+    except OSError:
+        return ""
+
+
 def missing_outputs(output_dir: Path, expect: Iterable[str]) -> list[str]:
-    """Expected outputs the run did not write."""
-    return [name for name in expect if not (output_dir / name).exists()]
+    """Expected outputs the run did not write as its own: absent, or a link or special file (not sent), so named.
+
+    Each folder on the way must be a real folder, and the output itself a folder or a regular file
+    with one name: what is not sent cannot count as written.
+    """
+    missing = []
+    for name in expect:
+        path, why = output_dir, None
+        for part in PurePosixPath(name).parts:
+            path = path / part
+            try:
+                info = path.lstat()
+            except (FileNotFoundError, NotADirectoryError):
+                why = ""
+                break
+            why = confine.not_sent_because(info.st_mode, info.st_nlink)
+            if why is not None:
+                why += _target(path, info)
+                break
+        if why is not None:
+            missing.append(f"{name} ({why}: not sent)" if why else name)
+    return missing
 
 
 def upload_outputs(
@@ -279,20 +483,27 @@ def upload_outputs(
     backoff_seconds: float = 1.0,
     log: Log | None = None,
 ) -> Transfer:
-    """Send every file under ``output_dir`` to ``destination``, many at once, verified, retried with backoff.
+    """Send the job's own files under ``output_dir`` to ``destination``, many at once, verified, retried.
+
+    Only what :func:`own_files` finds is sent: a link, hard link or special file the job left is
+    not followed, and is returned in the transfer's ``skipped`` (and logged). A local destination
+    is written only through real folders (:func:`e31_prefect.store.put_local`): give its real path.
 
     An attempt stops at its first failure (a store that is down fails every file alike); the next
     one sends only the files not yet verified in the store.
     """
     started = time.monotonic()
-    files = sorted(p for p in output_dir.rglob("*") if p.is_file())
-    total = sum(p.stat().st_size for p in files)
+    files, skipped = own_files(output_dir)
+    if skipped and log:
+        log.warning("Not sending %s", confine.skipped_summary(skipped))
+    sizes = {path: path.lstat().st_size for path in files}
+    total = sum(sizes.values())
     fs, root = store.filesystem(destination, options)
     root = root.rstrip("/")
     progress = Progress("Sending outputs:", len(files), total, log)
     pending = files
     for attempt in range(1, attempts + 1):
-        pending, error = _send(fs, pending, output_dir, root, progress)
+        pending, error = _send(fs, pending, output_dir, root, progress, sizes)
         if not pending:
             break
         cause = store.explain(destination, error, reading=False) if error else "not sent"
@@ -302,14 +513,14 @@ def upload_outputs(
         if log:
             log.warning("Sending outputs failed (%s); %d file(s) left, retrying", cause, len(pending))
         time.sleep(backoff_seconds * 2 ** (attempt - 1))
-    result = Transfer(len(files), total, time.monotonic() - started)
+    result = Transfer(len(files), total, time.monotonic() - started, skipped=tuple(skipped))
     if log:
         log.info("Sent outputs to %s: %s", destination, result)
     return result
 
 
-def _send(fs: Any, files: list[Path], base: Path, root: str,
-          progress: Progress) -> tuple[list[Path], BaseException | None]:
+def _send(fs: Any, files: list[Path], base: Path, root: str, progress: Progress,
+          sizes: dict[Path, int]) -> tuple[list[Path], BaseException | None]:
     """Send ``files``; returns those not sent and the first error."""
     stop = threading.Event()
     errors: list[BaseException] = []
@@ -323,7 +534,7 @@ def _send(fs: Any, files: list[Path], base: Path, root: str,
             errors.append(exc)
             stop.set()
             return False
-        progress.file_done(path.stat().st_size)
+        progress.file_done(sizes[path])
         return True
 
     with ThreadPoolExecutor(max_workers=SEND_THREADS) as pool:

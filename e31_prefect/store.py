@@ -5,17 +5,28 @@ An S3 object is fetched with one GET (ranged concurrent parts when large),
 pinned to the ETag its listing gave, and written and hashed as it arrives. A
 small output is sent with one PUT that carries its MD5, so the store itself
 refuses bytes damaged on the way.
+
+A job's output is read only as what its walk found: a regular file with one
+name, opened without following a link. A local (``file://``) destination is
+written one folder at a time from ``/``, never through a symbolic link, so a
+link someone left in it cannot carry the bytes elsewhere on the host.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
+import errno
 import hashlib
+import mimetypes
 import os
-from collections.abc import Callable
+import shutil
+import stat
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import fsspec
@@ -152,35 +163,177 @@ async def _get_ranged(fs: Any, kwargs: dict[str, Any], size: int, dest: Path,
     return None if plain else ETAG_NOT_MD5
 
 
+class NotOwnFile(OSError):
+    """An output changed into something that is not the job's own bytes (a link, a special file) after it
+    was listed; it is not sent."""
+
+
+class LinkInDestination(OSError):
+    """A folder or file on the way to a local destination is a symbolic link; nothing is written through it."""
+
+
+@contextmanager
+def open_own(local: Path) -> Iterator[int]:
+    """A read descriptor of ``local``, only if it is still a regular file with one name.
+
+    Opened without following a final link and checked on the open descriptor, so what is read is
+    what the walk of the output dir decided to send, even if the path changed since.
+    """
+    try:
+        fd = os.open(local, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise NotOwnFile(f"{local}: became a symbolic link after it was listed; not sent") from None
+        raise
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_nlink > 1:
+            raise NotOwnFile(f"{local}: is no longer a regular file with one name; not sent")
+        yield fd
+    finally:
+        os.close(fd)
+
+
 def put_file(fs: Any, local: Path, remote: str) -> None:
     """Send one file and check it arrived whole: its size, and its MD5 where the store gives one.
 
     Small files to S3 go in one PUT with a Content-MD5 header, so the store checks the bytes
     itself; larger ones are sent by s3fs (multipart) and then compared with the store's listing.
+    A local destination is written by :func:`put_local`.
     """
-    size = local.stat().st_size
-    if is_s3(fs) and size <= SINGLE_PUT_MAX_BYTES:
-        data = local.read_bytes()
-        digest = hashlib.md5(data)
-        bucket, key, _ = fs.split_path(remote)
-        # The store refuses a body whose MD5 is not the Content-MD5 sent with it: nothing more to compare.
-        sync(fs.loop, fs._call_s3, "put_object", Bucket=bucket, Key=key, Body=data,
-             ContentMD5=base64.b64encode(digest.digest()).decode(), **fs.req_kw)
-        return
-    if not is_s3(fs):
-        fs.makedirs(remote.rsplit("/", 1)[0], exist_ok=True)
-    fs.put_file(str(local), remote)
-    fs.invalidate_cache(remote)
-    if is_s3(fs):
+    with open_own(local) as fd:
+        size = os.fstat(fd).st_size
+        if not is_s3(fs):
+            if is_local(fs):
+                stored = put_local(fd, remote)
+            else:
+                fs.makedirs(remote.rsplit("/", 1)[0], exist_ok=True)
+                with os.fdopen(os.dup(fd), "rb") as source, fs.open(remote, "wb") as out:
+                    shutil.copyfileobj(source, out, CHUNK_BYTES)
+                fs.invalidate_cache(remote)
+                stored = int(fs.info(remote).get("size") or 0)
+            if stored != size:
+                raise OSError(f"{remote}: has {stored} bytes after sending, the file has {size}")
+            return
+        if size <= SINGLE_PUT_MAX_BYTES:
+            with os.fdopen(os.dup(fd), "rb") as source:
+                data = source.read()
+            digest = hashlib.md5(data)
+            bucket, key, _ = fs.split_path(remote)
+            # The store refuses a body whose MD5 is not the Content-MD5 sent with it: nothing more to compare.
+            sync(fs.loop, fs._call_s3, "put_object", Bucket=bucket, Key=key, Body=data,
+                 ContentMD5=base64.b64encode(digest.digest()).decode(), **fs.req_kw)
+            return
+        # s3fs opens a path: the descriptor's own path (Linux) is the very file checked above.
+        by_fd = f"/proc/self/fd/{fd}"
+        source = by_fd if os.path.exists(by_fd) else str(local)
+        content_type = mimetypes.guess_type(local.name)[0]
+        fs.put_file(source, remote, **({"ContentType": content_type} if content_type else {}))
+        fs.invalidate_cache(remote)
         bucket, key, _ = fs.split_path(remote)
         head = sync(fs.loop, fs._call_s3, "head_object", Bucket=bucket, Key=key, **fs.req_kw)
         stored, md5 = int(head.get("ContentLength") or 0), etag_md5(head.get("ETag")) if etag_is_md5(head) else None
-    else:
-        stored, md5 = int(fs.info(remote).get("size") or 0), None
-    if stored != size:
-        raise OSError(f"{remote}: has {stored} bytes after sending, the file has {size}")
-    if md5 and md5 != file_digest(local):
-        raise OSError(f"{remote}: the store's ETag {md5} is not the file's MD5; sent bytes were damaged")
+        if stored != size:
+            raise OSError(f"{remote}: has {stored} bytes after sending, the file has {size}")
+        if md5 and md5 != file_digest(Path(source)):
+            raise OSError(f"{remote}: the store's ETag {md5} is not the file's MD5; sent bytes were damaged")
+
+
+def get_local(path: str, dest: Path) -> int:
+    """Copy the local file ``path`` to ``dest``, only if it is a regular file (not a link, fifo or device).
+
+    Opened without following a final link and checked on the open descriptor, so a path changed
+    after it was planned cannot turn the copy into a read of something else. Returns the bytes copied.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise NotOwnFile(f"{path}: became a symbolic link after it was planned; not staged") from None
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise NotOwnFile(f"{path}: is no longer a regular file; not staged")
+        out = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+        try:
+            _copy(fd, out)
+            return os.fstat(out).st_size
+        finally:
+            os.close(out)
+    finally:
+        os.close(fd)
+
+
+def is_local(fs: Any) -> bool:
+    """Whether ``fs`` is fsspec's local filesystem (``file://``)."""
+    return "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
+
+
+# A folder opened only to walk through it (O_PATH: a folder one may enter but not list still opens).
+_FOLDER = getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY
+
+
+def put_local(source_fd: int, remote: str) -> int:
+    """Copy the open file ``source_fd`` to the absolute local path ``remote``, never through a link; returns
+    the bytes the copy holds.
+
+    Each folder from ``/`` down is created if missing and opened relative to the one above with
+    ``O_NOFOLLOW``, and the file itself too: a symbolic link anywhere on the way (put there before or
+    during the send) fails with :class:`LinkInDestination` instead of carrying the bytes elsewhere.
+    Give the destination as its real path (``realpath``), as e31 records it.
+    """
+    parts = PurePosixPath(os.path.normpath(remote)).parts
+    if len(parts) < 2 or parts[0] != "/":
+        raise OSError(f"{remote}: a local destination must be an absolute path")
+    folder = os.open("/", _FOLDER)
+    try:
+        for depth, name in enumerate(parts[1:-1], start=1):
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(name, 0o777, dir_fd=folder)
+            try:
+                inner = os.open(name, _FOLDER | os.O_NOFOLLOW, dir_fd=folder)
+            except OSError as exc:
+                if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                    raise LinkInDestination(_link_refusal(remote, "/".join(parts[: depth + 1])[1:])) from None
+                raise
+            os.close(folder)
+            folder = inner
+        try:
+            out = os.open(parts[-1], os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o666, dir_fd=folder)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise LinkInDestination(_link_refusal(remote, remote)) from None
+            raise
+        try:
+            _copy(source_fd, out)
+            return os.fstat(out).st_size
+        finally:
+            os.close(out)
+    finally:
+        os.close(folder)
+
+
+def _copy(source: int, out: int) -> None:
+    """Copy a whole file between descriptors: in the kernel where it can, else through a buffer."""
+    offset = 0
+    try:
+        while sent := os.sendfile(out, source, offset, 64 << 20):
+            offset += sent
+        return
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP) or offset:
+            raise
+    os.lseek(source, 0, os.SEEK_SET)
+    while chunk := os.read(source, CHUNK_BYTES):
+        view = memoryview(chunk)
+        while view:
+            view = view[os.write(out, view):]
+
+
+def _link_refusal(remote: str, link: str) -> str:
+    return (f"{remote}: {link} is a symbolic link (or not a folder); e31 writes a local destination only through "
+            "real folders, so outputs cannot be carried elsewhere on the host. Remove the link, or send the "
+            "outputs to another folder")
 
 
 _CREDENTIALS = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken", "ExpiredToken",
@@ -223,7 +376,7 @@ def explain(url: str, exc: BaseException, fs: Any | None = None, reading: bool =
         return f"{url}: not found: no object or prefix has this key; check the URL"
     if code == "PreconditionFailed":
         return f"{url}: the object changed while it was being staged; run the job again"
-    if name == "CacheCorrupt":
+    if name == "CacheCorrupt" or isinstance(exc, (LinkInDestination, NotOwnFile)):
         return f"{url}: {exc}"
     if "EndpointConnectionError" in name or "ConnectionError" in name or isinstance(exc, ConnectionError):
         return f"{url}: the store does not answer ({_message(exc)}); check its endpoint URL and that it is up"

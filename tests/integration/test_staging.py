@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -133,3 +134,111 @@ def test_bad_input_fails_naming_the_url_and_the_cause(s3_server, guarded_store, 
     message = str(failure.value)
     assert message.startswith(f"data {url}: ") and cause in message, message
     assert "Traceback" not in message and not any(Path(tmp_path / "data").rglob("*.csv"))
+
+
+# -- cache integrity ------------------------------------------------------------------------------
+
+
+def test_a_staged_input_a_job_rewrote_is_not_what_the_next_job_stages(s3_server, tmp_path, caplog):
+    filled_bucket(s3_server, "models", {"weights.bin": b"the real weights"})
+    cache = ContentCache(tmp_path / "cache", 1 << 30)
+    source = [DataInput(source="s3://models/weights.bin")]
+    stage_inputs(source, tmp_path / "job1", options(s3_server), cache=cache)
+    staged = tmp_path / "job1" / "weights.bin"
+    assert staged.stat().st_nlink == 2, "staged as a hard link to the cache entry"
+    # The job of team A, running as the worker's user: chmod u+w its read-only input, then write through it.
+    staged.chmod(staged.stat().st_mode | 0o200)
+    staged.write_bytes(b"poisoned weights")
+    log = logging.getLogger("e31.test.poison")
+    with caplog.at_level(logging.WARNING):
+        again = stage_inputs(source, tmp_path / "job2", options(s3_server), log, cache=cache)
+    assert (tmp_path / "job2" / "weights.bin").read_bytes() == b"the real weights"
+    assert again.cached_files == 0 and again.downloaded_bytes == len(b"the real weights")
+    assert "changed since it was verified" in caplog.text
+    assert "fetched again: s3://models/weights.bin" in caplog.text
+
+
+def test_a_restage_after_the_last_run_was_cleaned_up_downloads_nothing(s3_server, tmp_path):
+    from e31_prefect.staging import remove_workspace
+
+    filled_bucket(s3_server, "nightly-clean", {f"f{n}.bin": bytes([n]) * 100 for n in range(5)})
+    cache = ContentCache(tmp_path / "cache", 1 << 30)
+    source = [DataInput(source="s3://nightly-clean/", to="set")]
+    for night in range(3):
+        workspace = tmp_path / f"run{night}"
+        result = stage_inputs(source, workspace / "data", options(s3_server), cache=cache)
+        assert result.cached_files == (5 if night else 0)
+        remove_workspace(workspace, cache)
+    assert cache.counters.changed == [] and cache.counters.downloads == 5
+
+
+# -- file:// inputs only from what the job may read --------------------------------------------
+
+
+@pytest.fixture
+def job_folder(tmp_path: Path) -> Path:
+    """A job's folder with a data folder in it, and a host file beside it the job must not read."""
+    folder = tmp_path / "team-a" / "job"
+    (folder / "data" / "sub").mkdir(parents=True)
+    (folder / "data" / "a.csv").write_text("1,2\n")
+    (folder / "data" / "sub" / "b.csv").write_text("3,4\n")
+    (tmp_path / "team-b").mkdir()
+    (tmp_path / "team-b" / "secret.csv").write_text("team b's private rows\n")
+    return folder
+
+
+def test_inputs_under_the_job_folder_are_staged(job_folder, tmp_path):
+    (job_folder / "data" / "alias.csv").symlink_to("a.csv")  # a link to a file inside the folder: a copy
+    result = stage_inputs([DataInput(source=f"file://{job_folder}/data/", to="d"),
+                           DataInput(source=f"file://{job_folder}/data/a.csv")],
+                          tmp_path / "staged", cache=False, roots=[job_folder], team="a")
+    staged = {p.relative_to(tmp_path / "staged").as_posix(): p.read_text()
+              for p in (tmp_path / "staged").rglob("*") if p.is_file()}
+    assert staged == {"d/a.csv": "1,2\n", "d/alias.csv": "1,2\n", "d/sub/b.csv": "3,4\n", "a.csv": "1,2\n"}
+    assert result.files == 4 and not any(p.is_symlink() for p in (tmp_path / "staged").rglob("*"))
+
+
+@pytest.mark.parametrize("source", [
+    "file:///etc/shadow",
+    "file:///etc/passwd",
+    "file:///proc/self/environ",
+    "{job}/../../team-b/secret.csv",
+    "file://{job}/../../team-b/",
+    "file://{job}/link-out.csv",
+])
+def test_a_file_input_outside_the_allowed_roots_fails_naming_the_path_and_the_rule(job_folder, tmp_path, source):
+    (job_folder / "link-out.csv").symlink_to(tmp_path / "team-b" / "secret.csv")
+    url = source.format(job=job_folder)
+    with pytest.raises(StagingError) as failure:
+        stage_inputs([DataInput(source=url)], tmp_path / "staged", cache=False, roots=[job_folder], team="a")
+    message = str(failure.value)
+    assert message.startswith(f"data {url}") and "outside the folders team 'a' may use" in message
+    assert str(job_folder) in message and "E31_FILE_ROOTS" in message
+    assert not (tmp_path / "staged").exists() or not any((tmp_path / "staged").rglob("*"))
+
+
+def test_an_operator_root_lets_a_team_read_a_shared_folder(job_folder, tmp_path):
+    shared = tmp_path / "datasets"
+    shared.mkdir()
+    (shared / "x.csv").write_text("shared\n")
+    stage_inputs([DataInput(source=f"file://{shared}/x.csv")], tmp_path / "staged", cache=False,
+                 roots=[job_folder, shared], team="a")
+    assert (tmp_path / "staged" / "x.csv").read_text() == "shared\n"
+
+
+@pytest.mark.parametrize(("make", "why"), [
+    (lambda folder, tmp: (folder / "shadow").symlink_to("/etc/shadow"), "shadow is a symbolic link to /etc/shadow"),
+    (lambda folder, tmp: (folder / "theirs").symlink_to(tmp / "team-b" / "secret.csv"), "theirs is a symbolic link"),
+    (lambda folder, tmp: (folder / "up").symlink_to("../../../team-b"), "up is a symbolic link to ../../../team-b"),
+    (lambda folder, tmp: (folder / "env").symlink_to("/proc/self/environ"), "env is a symbolic link"),
+    (lambda folder, tmp: os.mkfifo(folder / "pipe"), "pipe is a fifo"),
+])
+def test_a_link_out_of_a_staged_folder_or_a_special_file_fails_naming_it(job_folder, tmp_path, make, why):
+    make(job_folder / "data", tmp_path)
+    for roots in ([job_folder], None):  # whatever the roots, a link out of the staged folder is not followed
+        with pytest.raises(StagingError) as failure:
+            stage_inputs([DataInput(source=f"file://{job_folder}/data/")], tmp_path / "staged", cache=False,
+                         roots=roots)
+        message = str(failure.value)
+        assert message.startswith(f"data file://{job_folder}/data/: ") and why in message, message
+        assert "team b" not in "".join(p.read_text() for p in (tmp_path / "staged").rglob("*") if p.is_file())

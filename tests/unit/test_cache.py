@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from pathlib import Path
 
 import pytest
 
-from e31_prefect.cache import CacheCorrupt, ContentCache, Entry, cache_key, etag_md5, plan_eviction
+from e31_prefect.cache import (
+    CacheCorrupt,
+    ContentCache,
+    Entry,
+    Verified,
+    cache_key,
+    changed_since_verified,
+    etag_md5,
+    plan_eviction,
+)
+from e31_prefect.staging import remove_workspace
 
 MD5 = "9e107d9d372bb6826bd81d3542a419d6"
 
@@ -76,11 +87,83 @@ def test_an_entry_written_through_a_workspace_link_is_dropped(tmp_path):
     assert calls == [1, 1] and (tmp_path / "b").read_bytes() == b"hello"
 
 
+def test_a_job_that_writes_through_its_link_and_puts_the_times_back_poisons_nothing(tmp_path, caplog):
+    cache, calls = ContentCache(tmp_path / "cache", 1 << 20), []
+    cache.provide("weights", 5, tmp_path / "job1" / "w.bin", fill_with(b"clean", calls))
+    staged = tmp_path / "job1" / "w.bin"
+    before = staged.stat()
+    # What a hostile job running as the worker's user can do: make its read-only link writable, write the
+    # same number of bytes, and set the mode and modification time back as they were. Only the change
+    # time, which no call sets, still tells.
+    staged.chmod(0o644)
+    with staged.open("r+b") as out:
+        out.write(b"EVIL!")
+    staged.chmod(before.st_mode)
+    os.utime(staged, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert (staged.stat().st_size, staged.stat().st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+    with caplog.at_level(logging.WARNING, logger="e31.cache"):
+        hit = cache.provide("weights", 5, tmp_path / "job2" / "w.bin", fill_with(b"clean", calls))
+    assert not hit and calls == [1, 1], "the changed entry was fetched again"
+    assert (tmp_path / "job2" / "w.bin").read_bytes() == b"clean"
+    assert cache.counters.changed == ["weights"]
+    assert "Cache entry weights changed since it was verified (ctime_ns" in caplog.text
+    assert "fetched again" in caplog.text
+    # The poisoned file stays only in the workspace that wrote it; the next job links the clean entry.
+    assert cache.provide("weights", 5, tmp_path / "job3" / "w.bin", fill_with(b"clean", calls))
+    assert (tmp_path / "job3" / "w.bin").read_bytes() == b"clean" and calls == [1, 1]
+
+
+def test_an_entry_a_finished_workspace_linked_is_still_a_hit(tmp_path):
+    cache, calls = ContentCache(tmp_path / "cache", 1 << 20), []
+    for run in range(3):
+        workspace = tmp_path / f"run{run}"
+        hit = cache.provide("k", 5, workspace / "data" / "x", fill_with(b"hello", calls))
+        assert hit == (run > 0)
+        remove_workspace(workspace, cache)  # unlinking moves the entry's change time: released, re-recorded
+        assert not workspace.exists()
+    assert calls == [1] and cache.counters.changed == []
+
+
+def test_a_workspace_removed_after_its_job_wrote_through_the_link_evicts_the_entry(tmp_path):
+    cache, calls = ContentCache(tmp_path / "cache", 1 << 20), []
+    cache.provide("k", 5, tmp_path / "run" / "data" / "x", fill_with(b"hello", calls))
+    staged = tmp_path / "run" / "data" / "x"
+    staged.chmod(0o644)
+    staged.write_bytes(b"HELLO")
+    remove_workspace(tmp_path / "run", cache)
+    assert cache.entries() == [] and cache.counters.changed == ["k"]
+    assert not cache.provide("k", 5, tmp_path / "next" / "x", fill_with(b"hello", calls))
+    assert (tmp_path / "next" / "x").read_bytes() == b"hello" and calls == [1, 1]
+
+
+def test_an_entry_with_no_record_of_its_verification_is_fetched_again(tmp_path):
+    cache, calls = ContentCache(tmp_path / "cache", 1 << 20), []
+    (cache.objects / "old").write_bytes(b"hello")  # left by an e31 that kept no records
+    assert not cache.take("old", 5, tmp_path / "x")
+    assert not (cache.objects / "old").exists() and cache.counters.changed == ["old"]
+    assert not cache.provide("old", 5, tmp_path / "x", fill_with(b"hello", calls)) and calls == [1]
+
+
+@pytest.mark.parametrize(("record", "why"), [
+    (None, "no record of it being verified"),
+    (Verified("other", 5, 1, 2), "no record of it being verified"),
+    (Verified("k", 5, 1, 2), None),
+    (Verified("k", 6, 1, 2), "changed since it was verified (size 6 -> 5)"),
+    (Verified("k", 5, 1, 3), "changed since it was verified (ctime_ns 3 -> 2)"),
+    (Verified("k", 5, 9, 9), "changed since it was verified (mtime_ns 9 -> 1, ctime_ns 9 -> 2)"),
+])
+def test_what_counts_as_changed_since_verified(record, why):
+    info = os.stat_result((0o100444, 7, 1, 1, 0, 0, 5, 0, 0, 0, 0.0, 0.0, 0.0, 0, 1, 2))
+    assert (info.st_size, info.st_mtime_ns, info.st_ctime_ns) == (5, 1, 2)
+    assert changed_since_verified(record, "k", info) == why
+
+
 def test_trim_evicts_unused_entries_least_recently_used_first(tmp_path):
     cache = ContentCache(tmp_path / "cache", 10)
     for index, key in enumerate(["a", "b", "c"]):
         cache.provide(key, 4, tmp_path / key, fill_with(b"1234", []))
-        os.utime(cache.objects / key, ns=(index * 10**9, os.stat(cache.objects / key).st_mtime_ns))
+        record = cache.verified / "{0.st_dev}-{0.st_ino}".format(os.stat(cache.objects / key))
+        os.utime(record, (index, index))  # each link rewrites its entry's record: the record's time is its last use
     (tmp_path / "b").unlink()
     (tmp_path / "c").unlink()
     # a is linked into a "workspace": in use, never evicted; b is the least recently used of the rest.

@@ -107,7 +107,7 @@ class FakeWorker:
 
     def __init__(self, tmp_path: Path, gpus: int = 2, quota: str = "free"):
         self.settings = E31Settings(home=tmp_path / "e31", device_locks=tmp_path / "locks", stop_grace_seconds=1,
-                                    watch_seconds=0.2, cache_bytes=0)
+                                    watch_seconds=0.2, cache_bytes=0, file_roots={"*": [tmp_path]})
         self.inventory = Inventory([Device(i, "H100") for i in range(gpus)], self.settings.device_locks)
         self.ledger = Ledger(self.settings.home / "ledger")
         self.client = FakeClient(quota)
