@@ -16,6 +16,7 @@ to the next worker; one that had not rented yet hands its run back to the pool.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import socket
 import sys
@@ -265,6 +266,7 @@ class JobLife:
         if refused:
             raise Ends(endings.INVALID_JOB.saying("The run's worker settings are not valid:\n"
                                                   + "\n".join(map(str, refused))))
+        self._destination(job)  # a destination the run may not write ends it here, before anything is held
         deadline = timing.resolve_deadline(job.request.deadline, scheduled_start(self.flow_run), job.tz)
         latest = timing.latest_start(deadline, job.request.admission_duration)
         if latest is not None and now() > latest:
@@ -293,7 +295,8 @@ class JobLife:
         try:
             self.storage = await load_job_storage(job.storage, job.team) if job.storage else None
             self.options = self.storage.fsspec_options() if self.storage else None
-            staged = await anyio.to_thread.run_sync(stage_inputs, job.data, self.workspace / "data", self.options,
+            stage = functools.partial(stage_inputs, roots=self._file_roots(job), team=job.team)
+            staged = await anyio.to_thread.run_sync(stage, job.data, self.workspace / "data", self.options,
                                                     self.log, abandon_on_cancel=True)
         except (StagingError, StorageBlockError) as exc:
             raise Ends(endings.STAGING_FAILED.saying(f"Staging failed before any GPU was rented: {exc}")) from None

@@ -141,3 +141,18 @@ def test_a_hostile_job_reaches_only_its_own_flow_run(runtime, prefect_server, se
             break
         time.sleep(1)
     assert names >= {"step", "child"}
+
+
+def test_a_job_naming_a_host_file_as_its_data_fails_before_renting(prefect_server, tmp_path, pool):
+    job = write_job(tmp_path / "greedy", """
+        name: greedy
+        work: {command: ["true"]}
+        data: [{from: "file:///etc/passwd"}]
+        request: {gpus: 1, max_duration: 5m}
+        """)
+    result = cli("e31", "run", str(job), "--pool", pool, gpus="1xH100")
+    assert result.returncode == 1
+    run = read_run(flow_run_id(result.stdout))
+    assert run.state.name == "StagingFailed", run.state
+    assert "/etc/passwd" in run.state.message and "E31_FILE_ROOTS" in run.state.message
+    assert "e31:billed-s=0" in run.tags
