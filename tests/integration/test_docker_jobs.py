@@ -110,8 +110,9 @@ def probe():
 
 
 def test_time_limit_stops_the_container_and_frees_its_devices(prefect_server, job_image, tmp_path, pool):
+    # Long enough for Prefect's engine to start in the container on a busy host, short for a test.
     job = image_job(tmp_path / "slow", "slow-container", job_image, flow=SLEEPER,
-                    request="{gpus: 1, max_duration: 8s}")
+                    request="{gpus: 1, max_duration: 30s}")
     result = cli("e31", "run", str(job), "--pool", pool, gpus="1xH100", env={"E31_STOP_GRACE_SECONDS": "2"})
     assert result.returncode != 0
     run = read_run(flow_run_id(result.stdout))

@@ -143,7 +143,7 @@ def test_time_limit_kills_the_process_group_and_fails_timed_out(prefect_server, 
     job = write_job(tmp_path / "slow", """
         name: too-slow
         work: {flow: flow.py:slow}
-        request: {gpus: 1, max_duration: 4s}
+        request: {gpus: 1, max_duration: 20s}
         output: {to: ./out/}
         """, flow="""
         import subprocess, sys, time
@@ -157,11 +157,9 @@ def test_time_limit_kills_the_process_group_and_fails_timed_out(prefect_server, 
             (output_dir() / "partial.txt").write_text("written before the limit")
             time.sleep(600)
         """)
-    started = time.monotonic()
     result = cli("e31", "run", str(job), "--pool", pool, gpus="1xH100",
                  env={"E31_STOP_GRACE_SECONDS": "2"})
     assert result.returncode == 1, result.stdout + result.stderr
-    assert time.monotonic() - started < 120
     run_id = flow_run_id(result.stdout)
     run = read_run(run_id)
     assert run.state.is_failed() and run.state.name == "TimedOut"
@@ -171,7 +169,7 @@ def test_time_limit_kills_the_process_group_and_fails_timed_out(prefect_server, 
     assert (out / "partial.txt").read_text() == "written before the limit"
     assert not process_running(int((out / "child.pid").read_text()))
     billed = int(next(t for t in run.tags if t.startswith("e31:billed-s=")).split("=")[1])
-    assert 3 <= billed <= 30
+    assert 19 <= billed <= 20 + 2 + 1, "billed past its time limit and grace"
     e31_events(run_id, {"e31.job.timed-out", "e31.job.released"})
 
 
