@@ -80,8 +80,9 @@ def needed_paths(configuration: Any) -> list[Path]:
     paths = [Path(sys.prefix), Path(sys.base_prefix), Path(prefect.__file__).parent,
              Path(e31_prefect.__file__).parent]
     paths += [Path(entry) for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry]
-    code = configuration.code_mount() if configuration is not None else None
-    return paths + ([code] if code is not None else [])
+    if configuration is not None:  # the job's folder and, for a `prefect deploy` deployment, its code's
+        paths += [code for code in (configuration.code_mount(), configuration._code_folder) if code is not None]
+    return paths
 
 
 def unreadable_to_jobs(paths: list[Path]) -> list[str]:
