@@ -23,7 +23,15 @@ from prefect import flow, get_run_logger
 
 from e31_prefect.dirs import OUTPUT_DIR_VARIABLE
 from e31_prefect.shard_runner import program, run_shards
-from e31_prefect.shards import SHARDS_VARIABLE, Progress, Schedule, ShardSettings, failure_rows, failure_summary
+from e31_prefect.shards import (
+    SHARDS_VARIABLE,
+    Progress,
+    Schedule,
+    ShardSettings,
+    failure_rows,
+    failure_summary,
+    reduce_environment,
+)
 
 COMMAND_FLOW_NAME = "e31-command"
 COMMAND_FLOW_ENTRYPOINT = "e31_prefect.command_flow.run_command"
@@ -97,7 +105,7 @@ def run_sharded(command: list[str], settings: ShardSettings) -> dict[str, Any]:
         logger.warning("%d shard(s) failed, within the %d allowed: %s", len(schedule.failures),
                        settings.allowed_failures, ", ".join(map(str, sorted(schedule.failures))))
     if settings.reduce:
-        stream(settings.reduce, os.environ)
+        stream(settings.reduce, {**os.environ, **reduce_environment(settings.count, list(schedule.failures))})
     return summary
 
 

@@ -95,6 +95,12 @@ def shard_environment(index: int, count: int, devices: tuple[str, ...], output_d
     }
 
 
+def reduce_environment(count: int, failed: Sequence[int]) -> dict[str, str]:
+    """What the reduce command adds to the job's environment: how many shards there were, and which failed
+    (within the allowance), so it can combine the others."""
+    return {"E31_SHARD_COUNT": str(count), "E31_FAILED_SHARDS": ",".join(map(str, sorted(failed)))}
+
+
 def shard_folder(index: int) -> str:
     """A shard's folder under the job's output dir."""
     return f"shard-{index}"
