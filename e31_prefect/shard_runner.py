@@ -4,7 +4,8 @@ The built-in command flow (:mod:`e31_prefect.command_flow`) calls :func:`run_sha
 for a job with ``work.shards``. Each shard is a child of the flow's process, so the
 run's supervisor owns it: the time limit and a cancellation stop every shard.
 Each shard writes its output (stdout and stderr) to ``shard-<index>/shard.log``
-in the job's output dir, next to what it writes there itself.
+in the job's output dir, next to what it writes there itself (no log where it
+printed nothing).
 """
 
 from __future__ import annotations
@@ -82,7 +83,10 @@ def run_shards(command: Sequence[str], settings: ShardSettings, env: Mapping[str
             except OSError as exc:  # a program that does not exist fails its shard, as a shell's 127 would
                 log.write(f"e31: cannot start {argv[0]}: {exc.strerror or exc}\n".encode())
                 code = 127
-        return code, (last_lines(log_path) if code else "")
+        tail = last_lines(log_path) if code else ""
+        if log_path.stat().st_size == 0:
+            log_path.unlink()  # a shard that said nothing leaves no log: ten thousand empty files help no one
+        return code, tail
 
     def serve(slot: int, devices: tuple[str, ...]) -> None:
         try:
