@@ -71,7 +71,12 @@ def floor(shards: int, slots: int) -> float:
 def flow_runs(folder: Path, runs: int, slots: int) -> float:
     """Seconds from a process worker's start to the last of ``runs`` no-op flow runs Completed."""
     from prefect import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterDeploymentId, FlowRunFilterStateType
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterDeploymentId,
+        FlowRunFilterState,
+        FlowRunFilterStateType,
+    )
     from prefect.client.schemas.objects import StateType
 
     (folder / "noop.py").write_text(NOOP)
@@ -87,8 +92,8 @@ def flow_runs(folder: Path, runs: int, slots: int) -> float:
                                   start_new_session=True)
         try:
             final = FlowRunFilter(deployment_id=FlowRunFilterDeploymentId(any_=[deployment]),
-                                  state=FlowRunFilterStateType(any_=[StateType.COMPLETED, StateType.FAILED,
-                                                                     StateType.CRASHED]))
+                                  state=FlowRunFilterState(type=FlowRunFilterStateType(
+                                      any_=[StateType.COMPLETED, StateType.FAILED, StateType.CRASHED])))
             while (done := client.count_flow_runs(flow_run_filter=final)) < runs:
                 if worker.poll() is not None:
                     raise SystemExit(f"the process worker exited after {done} of {runs} runs")
@@ -121,11 +126,12 @@ def main() -> None:
 
     n = args.shards
     print(f"{n} no-op pieces over {args.gpus} declared GPUs / slots (server {url}; {os.cpu_count()} CPUs):")
-    print(f"  floor: xargs -P {args.gpus}               {floor_s:9.2f} s")
-    print(f"  e31 job array: the work (meter)       {work_s:9.2f} s   (whole `e31 run`: {whole_s:.2f} s)")
+    print(f"  {'floor: xargs -P ' + str(args.gpus):<36} {floor_s:9.2f} s")
+    print(f"  {'e31 job array (meter: the work)':<36} {work_s:9.2f} s   (whole `e31 run`: {whole_s:.2f} s)")
     if runs_s is not None:
         scaled = runs_s * n / args.flow_runs
-        print(f"  flow runs: {args.flow_runs} via process worker   {runs_s:9.2f} s   (scaled to {n}: {scaled:.1f} s)")
+        print(f"  {f'flow runs: {args.flow_runs} via process worker':<36} {runs_s:9.2f} s   "
+              f"(scaled to {n}: {scaled:.1f} s)")
     print(f"ratio e31 / floor: {work_s / floor_s:.2f}  (goal <= 1.2)")
     if runs_s is not None:
         print(f"e31 faster than flow runs: {scaled / work_s:.0f}x  (goal >= 50x)")

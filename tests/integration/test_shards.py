@@ -15,6 +15,7 @@ import pytest
 from prefect import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 
+from e31_prefect.ledger import process_running
 from tests.integration.conftest import cli, flow_run_id
 
 pytestmark = pytest.mark.integration
@@ -118,3 +119,27 @@ def test_shards_failing_past_the_allowance_fail_the_job_naming_them_and_skip_the
     assert not (tmp_path / "strict" / "out" / "reduced.json").exists()
     artifacts = artifacts_of(flow_run_id(result.stdout))
     assert [row["shard"] for row in json.loads(artifacts["e31-shard-failures"].data)] == [7]
+
+
+def test_the_time_limit_stops_every_running_shard(prefect_server, tmp_path, pool):
+    folder = tmp_path / "sleepy"
+    folder.mkdir()
+    (folder / "sleep.py").write_text(textwrap.dedent("""\
+        import os, time
+        from pathlib import Path
+        (Path(os.environ["E31_OUTPUT_DIR"]) / "pid").write_text(str(os.getpid()))
+        time.sleep(600)
+        """))
+    (folder / "job.yaml").write_text(textwrap.dedent("""\
+        name: sleepy-array
+        work: {command: [python, sleep.py], shards: 8}
+        request: {gpus: 4, max_duration: 15s}
+        output: {to: ./out/}
+        """))
+    result = cli("e31", "run", str(folder / "job.yaml"), "--pool", pool, gpus="4xH100",
+                 env={"E31_STOP_GRACE_SECONDS": "2"})
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert ": TimedOut" in result.stdout
+    pids = [int(path.read_text()) for path in (folder / "out").glob("shard-*/pid")]
+    assert 1 <= len(pids) <= 4  # four GPUs, one shard each at a time; the rest never started
+    assert not any(process_running(pid) for pid in pids)
