@@ -227,6 +227,13 @@ class Progress:
         return line
 
 
+def progress_bar(percent: float, description: str, width: int = 30) -> str:
+    """A one-line bar for a terminal: ``[#########.....................]  30% 3000/10000 shards done, ...``."""
+    percent = min(max(percent, 0.0), 100.0)
+    filled = int(width * percent / 100)
+    return f"[{'#' * filled}{'.' * (width - filled)}] {percent:3.0f}% {description}"
+
+
 def _duration(seconds: float) -> str:
     whole = round(seconds)
     hours, rest = divmod(whole, 3600)

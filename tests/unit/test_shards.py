@@ -20,6 +20,7 @@ from e31_prefect.shards import (
     allowed_failures,
     failure_rows,
     failure_summary,
+    progress_bar,
     shard_environment,
     slots,
 )
@@ -275,3 +276,9 @@ def test_progress_before_any_shard_finished_has_no_rate_and_at_the_end_no_eta():
     assert Progress(count=5, done=5, failed=0, running=0, elapsed_s=2.0).describe() == (
         "5/5 shards done, 0 failed, 0 running; 2.5 shards/s")
     assert Progress(count=100, done=1, failed=0, running=1, elapsed_s=60.0).describe().endswith("ETA 1h39m")
+
+
+def test_the_progress_bar_e31_run_draws():
+    assert progress_bar(30.0, "3/10 shards done", width=10) == "[###.......]  30% 3/10 shards done"
+    assert progress_bar(100.0, "done", width=4) == "[####] 100% done"
+    assert progress_bar(250.0, "", width=2).startswith("[##] 100%")
