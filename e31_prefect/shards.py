@@ -60,6 +60,15 @@ class ShardSettings:
         return allowed_failures(self.count, self.allow_failed)
 
 
+def entrypoint_problem(shards: int | None, entrypoint: str | None, command_flow: str) -> str | None:
+    """Why a run cannot shard: its deployment runs a flow of its own, which would ignore ``work.shards``
+    and run once. None where it can (no shards, e31's command flow, or an entrypoint not known)."""
+    if shards is None or entrypoint is None or entrypoint == command_flow:
+        return None
+    return (f"work.shards = {shards}: shards a command only, and this deployment runs the flow {entrypoint}; "
+            f"deploy the command with entrypoint {command_flow} (its command as the parameter), or remove shards")
+
+
 def allowed_failures(count: int, allow: int | float) -> int:
     """A count stays a count; a fraction of ``count`` shards is rounded down (0.01 of 150 allows 1)."""
     if isinstance(allow, float):

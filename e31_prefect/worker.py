@@ -145,6 +145,11 @@ class _Configuration(DockerWorkerJobConfiguration):
             if flow is not None:
                 self._job_name = job_name(flow.name)
 
+    @property
+    def entrypoint(self) -> str | None:
+        """The flow the run's deployment (or decorated flow) runs, where known."""
+        return self._entrypoint
+
     def job(self, name: str | None = None) -> Job:
         """The validated job; raises :class:`JobError` naming each bad field.
 
