@@ -40,6 +40,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from e31_prefect import timing
+from e31_prefect.shards import expected_array_duration, slot_count
 
 SUPPORTED_SCHEMES = ("file", "s3")
 OUTPUT_PLACEHOLDERS = ("flow_run.id", "flow_run.name", "date", "job")
@@ -151,6 +152,11 @@ def check_relative_path(path: str) -> str:
     return str(pure)
 
 
+def _shown(value: Any) -> Any:
+    """A value as the job file writes it (a duration as 30s, not a timedelta)."""
+    return timing.format_duration(value) if isinstance(value, timedelta) else value
+
+
 def _too_long(text: str, what: str) -> str | None:
     """Why ``text`` cannot be one argument or variable of a Linux process, or None when it can."""
     size = len(text.encode("utf-8", "surrogatepass"))
@@ -239,6 +245,13 @@ class Work(BaseModel):
         description="How many shards may still fail (after retries) with the job Completed: a count (3) or a "
         "fraction of the shards (0.01). Default 0: every shard must succeed.",
         examples=[0.01],
+    )
+    expected_shard_duration: Duration | None = Field(
+        default=None,
+        title="Expected shard duration",
+        description="How long one shard usually takes: an until-done job's expected duration is then its shards "
+        "spread over its slots, used to judge the deadline.",
+        examples=["30s"],
     )
     reduce: list[str] | None = Field(
         default=None,
@@ -348,8 +361,8 @@ class Work(BaseModel):
                                     "allow fewer"))
         if self.shards is None:
             given = [name for name in ("gpus_per_shard", "shards_per_gpu", "shard_retries", "allow_failed_shards",
-                                       "reduce") if getattr(self, name) is not None]
-            problems += [Problem(f"work.{name}", getattr(self, name), "only applies to a sharded job; set "
+                                       "expected_shard_duration", "reduce") if getattr(self, name) is not None]
+            problems += [Problem(f"work.{name}", _shown(getattr(self, name)), "only applies to a sharded job; set "
                                  "work.shards (e.g. shards: 100) or remove it") for name in given]
         return problems
 
@@ -648,6 +661,39 @@ class Job(BaseModel):
         if problems:
             raise _cross(problems)
         return data
+
+    @model_validator(mode="after")
+    def _shards_fit_the_time_limit(self) -> Job:
+        request, per_shard = self.request, self.work.expected_shard_duration
+        if per_shard is None or request.max_duration is None or self.expected_duration <= request.max_duration:
+            return self
+        raise _cross([Problem("work.expected_shard_duration", timing.format_duration(per_shard),
+                              f"makes {self.work.shards} shards over {self.shard_slots} slot(s) take "
+                              f"{timing.format_duration(self.expected_duration)}, beyond max_duration "
+                              f"{timing.format_duration(request.max_duration)}; rent more GPUs, run more shards "
+                              "per GPU, or raise the time limit")])
+
+    @property
+    def shard_slots(self) -> int:
+        """How many of the job's shards run at once (1 for a job without shards)."""
+        work = self.work
+        if work.shards is None:
+            return 1
+        per_shard = (1 if self.request.gpus else 0) if work.gpus_per_shard is None else work.gpus_per_shard
+        return slot_count(self.request.gpus, per_shard, work.shards_per_gpu or 1)
+
+    @property
+    def expected_duration(self) -> timedelta | None:
+        """How long the job usually takes: the request's, else its shards' spread over its slots."""
+        work = self.work
+        if self.request.expected_duration is not None or work.expected_shard_duration is None or not work.shards:
+            return self.request.expected_duration
+        return expected_array_duration(work.shards, self.shard_slots, work.expected_shard_duration)
+
+    @property
+    def admission_duration(self) -> timedelta:
+        """How long before its deadline a run must start (its time limit, else its expected duration)."""
+        return timing.admission_duration(self.request.max_duration, self.expected_duration)
 
     @model_validator(mode="after")
     def _shards_fit_the_request(self) -> Job:
@@ -1044,7 +1090,7 @@ def plan(job: Job, now: datetime, *, start_now: bool = False) -> Plan:
     return Plan(
         start=start,
         deadline=deadline,
-        latest_start=timing.latest_start(deadline, job.request.admission_duration),
+        latest_start=timing.latest_start(deadline, job.admission_duration),
         time_limit=job.request.time_limit,
     )
 
@@ -1054,7 +1100,7 @@ def plan_problems(job: Job, the_plan: Plan) -> list[Problem]:
     if the_plan.latest_start is None or the_plan.latest_start >= the_plan.start:
         return []
     assert the_plan.deadline is not None
-    need = timing.format_duration(job.request.admission_duration)
+    need = timing.format_duration(job.admission_duration)
     deadline, start = (moment.astimezone(job.tz).isoformat() for moment in (the_plan.deadline, the_plan.start))
     return [Problem(
         "request.deadline", job.request.deadline,

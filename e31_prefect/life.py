@@ -272,7 +272,7 @@ class JobLife:
             raise Ends(endings.INVALID_JOB.saying("The run's worker settings are not valid:\n"
                                                   + "\n".join(map(str, refused))))
         deadline = timing.resolve_deadline(job.request.deadline, scheduled_start(self.flow_run), job.tz)
-        latest = timing.latest_start(deadline, job.request.admission_duration)
+        latest = timing.latest_start(deadline, job.admission_duration)
         if latest is not None and now() > latest:
             self.report.step("deadline-missed", latest_start=latest.isoformat())
             raise Ends(endings.DEADLINE_MISSED.saying(

@@ -14,6 +14,7 @@ import math
 from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from datetime import timedelta
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -74,6 +75,17 @@ def allowed_failures(count: int, allow: int | float) -> int:
     if isinstance(allow, float):
         return math.floor(count * allow + 1e-9)  # 0.07 * 100 is 7.000000000000001 or 6.999...: mean 7
     return allow
+
+
+def slot_count(gpus: int, gpus_per_shard: int, shards_per_gpu: int) -> int:
+    """How many shards run at once on ``gpus`` devices (at least 1, so a plan never divides by zero)."""
+    groups = gpus // gpus_per_shard if gpus_per_shard else 1
+    return max(1, groups * shards_per_gpu)
+
+
+def expected_array_duration(count: int, slots: int, per_shard: timedelta) -> timedelta:
+    """How long ``count`` shards of ``per_shard`` each take over ``slots``: whole waves, the last maybe partial."""
+    return per_shard * math.ceil(count / slots)
 
 
 def slots(devices: Sequence[str], gpus_per_shard: int, shards_per_gpu: int) -> list[tuple[str, ...]]:

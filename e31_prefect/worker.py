@@ -406,9 +406,9 @@ class E31Worker(DockerWorker):
             gpus=job.request.gpus,
             gpu_type=job.request.gpu_type,
             scheduled=scheduled,
-            latest_start=timing.latest_start(deadline, job.request.admission_duration),
+            latest_start=timing.latest_start(deadline, job.admission_duration),
             priority=job.request.priority,
-            duration=job.request.time_limit or job.request.expected_duration,
+            duration=job.request.time_limit or job.expected_duration,
             queue_priority=queue_priority,
         ), quotas.team_by_queue(self.settings.queue_teams, flow_run.work_queue_name, job.team)
 

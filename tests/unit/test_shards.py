@@ -7,10 +7,11 @@ job ended Completed, and what the messages say; these tests check exactly that.
 from __future__ import annotations
 
 import random
+from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from e31_prefect.job import MAX_SHARDS, Job, JobError, parse_job
+from e31_prefect.job import MAX_SHARDS, Job, JobError, parse_job, plan, plan_problems
 from e31_prefect.runtimes import job_environment
 from e31_prefect.shards import (
     SHARDS_VARIABLE,
@@ -22,6 +23,7 @@ from e31_prefect.shards import (
     failure_summary,
     progress_bar,
     shard_environment,
+    slot_count,
     slots,
 )
 
@@ -282,3 +284,51 @@ def test_the_progress_bar_e31_run_draws():
     assert progress_bar(30.0, "3/10 shards done", width=10) == "[###.......]  30% 3/10 shards done"
     assert progress_bar(100.0, "done", width=4) == "[####] 100% done"
     assert progress_bar(250.0, "", width=2).startswith("[##] 100%")
+
+
+# -- planning with a shard's expected duration -------------------------------------------------
+
+
+def until_done(gpus: int = 4, **work) -> dict:
+    return {"name": "sims", "work": {"command": ["true"], **work},
+            "request": {"gpus": gpus, "until_done": True, "deadline": "+2h"}}
+
+
+def test_an_until_done_array_is_planned_as_its_shards_over_its_slots():
+    job = parse_job(until_done(shards=10_000, shards_per_gpu=2, expected_shard_duration="3s"))
+    assert job.shard_slots == 8
+    assert job.expected_duration == timedelta(seconds=3 * 1250)
+    assert job.admission_duration == timedelta(seconds=3750)
+    now = datetime(2026, 12, 3, 12, tzinfo=timezone.utc)
+    assert plan(job, now, start_now=True).latest_start == now + timedelta(hours=2) - timedelta(seconds=3750)
+
+
+def test_an_array_that_cannot_finish_by_its_deadline_is_refused_at_submit_time():
+    job = parse_job(until_done(shards=10_000, expected_shard_duration="30s"))
+    the_plan = plan(job, datetime(2026, 12, 3, 12, tzinfo=timezone.utc), start_now=True)
+    [problem] = plan_problems(job, the_plan)
+    assert problem.field == "request.deadline" and "plus 20h50m" in problem.fix
+
+
+def test_the_request_s_own_expected_duration_wins_over_the_shards():
+    job = parse_job(until_done(shards=100, expected_shard_duration="1m")
+                    | {"request": {"gpus": 4, "until_done": True, "expected_duration": "5m"}})
+    assert job.expected_duration == timedelta(minutes=5)
+
+
+def test_a_shard_duration_beyond_the_time_limit_is_refused():
+    assert problems(sharded(shards=1_000, expected_shard_duration="1m")) == [
+        "work.expected_shard_duration = '1m': makes 1000 shards over 4 slot(s) take 4h10m, beyond max_duration "
+        "1h; rent more GPUs, run more shards per GPU, or raise the time limit"]
+
+
+def test_a_shard_duration_without_shards_is_refused():
+    assert problems(sharded(expected_shard_duration="30s")) == [
+        "work.expected_shard_duration = '30s': only applies to a sharded job; set work.shards (e.g. shards: 100) "
+        "or remove it"]
+
+
+def test_slot_count_of_gpu_and_cpu_only_arrays():
+    assert slot_count(8, 2, 3) == 12
+    assert slot_count(0, 0, 4) == 4
+    assert slot_count(1, 2, 1) == 1  # never zero, so a plan never divides by it
