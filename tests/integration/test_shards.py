@@ -8,7 +8,11 @@ the progress artifact reached 100%, and a job failing past its allowance names i
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -47,6 +51,20 @@ done = sorted(int(p.parent.name.split("-")[1]) for p in out.glob("shard-*/seen.j
 (out / "reduced.json").write_text(json.dumps({"shards": done, "count": os.environ["E31_SHARD_COUNT"],
                                              "failed": os.environ["E31_FAILED_SHARDS"]}))
 """
+
+
+SLEEP = """\
+import os, time
+from pathlib import Path
+(Path(os.environ["E31_OUTPUT_DIR"]) / "pid").write_text(str(os.getpid()))
+time.sleep(600)
+"""
+
+
+def shard_pids(run_id) -> list[int]:
+    """The pids the running shards of a run wrote into their folders of its workspace."""
+    output = Path(os.environ["E31_HOME"]) / "workspaces" / str(run_id) / "output"
+    return [int(text) for path in output.glob("shard-*/pid") if (text := path.read_text().strip())]
 
 
 def write_job(folder: Path, allow: str) -> Path:
@@ -124,12 +142,7 @@ def test_shards_failing_past_the_allowance_fail_the_job_naming_them_and_skip_the
 def test_the_time_limit_stops_every_running_shard(prefect_server, tmp_path, pool):
     folder = tmp_path / "sleepy"
     folder.mkdir()
-    (folder / "sleep.py").write_text(textwrap.dedent("""\
-        import os, time
-        from pathlib import Path
-        (Path(os.environ["E31_OUTPUT_DIR"]) / "pid").write_text(str(os.getpid()))
-        time.sleep(600)
-        """))
+    (folder / "sleep.py").write_text(SLEEP)
     (folder / "job.yaml").write_text(textwrap.dedent("""\
         name: sleepy-array
         work: {command: [python, sleep.py], shards: 8}
@@ -142,4 +155,37 @@ def test_the_time_limit_stops_every_running_shard(prefect_server, tmp_path, pool
     assert ": TimedOut" in result.stdout
     pids = [int(path.read_text()) for path in (folder / "out").glob("shard-*/pid")]
     assert 1 <= len(pids) <= 4  # four GPUs, one shard each at a time; the rest never started
+    assert not any(process_running(pid) for pid in pids)
+
+
+def test_cancelling_a_sharded_run_stops_every_running_shard(prefect_server, tmp_path, pool):
+    folder = tmp_path / "cancel"
+    folder.mkdir()
+    (folder / "sleep.py").write_text(SLEEP)
+    (folder / "job.yaml").write_text(textwrap.dedent("""\
+        name: cancelled-array
+        work: {command: [python, sleep.py], shards: 6, shards_per_gpu: 2}
+        request: {gpus: 1, max_duration: 10m}
+        output: {to: ./out/}
+        """))
+    submitted = cli("e31", "submit", str(folder / "job.yaml"), "--pool", pool)
+    run_id = flow_run_id(submitted.stdout)
+    worker = subprocess.Popen(
+        [str(Path(sys.executable).parent / "prefect"), "worker", "start", "--pool", pool, "--type", "e31",
+         "--run-once"], env={**os.environ, "E31_GPUS": "1xH100", "E31_WATCH_SECONDS": "0.5"},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        # Cancel once both slots of the one GPU run a shard (each writes its pid as it starts).
+        deadline = time.monotonic() + 180
+        while len(pids := shard_pids(run_id)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert len(pids) == 2, pids
+        cancelled = cli("prefect", "flow-run", "cancel", str(run_id))
+        assert cancelled.returncode == 0, cancelled.stdout + cancelled.stderr
+        output = worker.communicate(timeout=120)[0]
+    finally:
+        worker.kill()
+    with get_client(sync_client=True) as client:
+        run = client.read_flow_run(run_id)
+    assert run.state.is_cancelled(), (run.state, output[-3000:])
     assert not any(process_running(pid) for pid in pids)
