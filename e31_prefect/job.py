@@ -40,7 +40,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from e31_prefect import timing
-from e31_prefect.shards import expected_array_duration, slot_count
+from e31_prefect.shards import ShardSettings, expected_array_duration, slot_count
 
 SUPPORTED_SCHEMES = ("file", "s3")
 OUTPUT_PLACEHOLDERS = ("flow_run.id", "flow_run.name", "date", "job")
@@ -676,11 +676,10 @@ class Job(BaseModel):
     @property
     def shard_slots(self) -> int:
         """How many of the job's shards run at once (1 for a job without shards)."""
-        work = self.work
-        if work.shards is None:
+        settings = ShardSettings.of(self)
+        if settings is None:
             return 1
-        per_shard = (1 if self.request.gpus else 0) if work.gpus_per_shard is None else work.gpus_per_shard
-        return slot_count(self.request.gpus, per_shard, work.shards_per_gpu or 1)
+        return slot_count(self.request.gpus, settings.gpus_per_shard, settings.shards_per_gpu)
 
     @property
     def expected_duration(self) -> timedelta | None:

@@ -58,7 +58,8 @@ def run_shards(command: Sequence[str], settings: ShardSettings, env: Mapping[str
     is called every ``PROGRESS_EVERY_S`` seconds and once at the end; ``on_finish`` after each attempt
     (``done``, ``retry`` or ``failed``), under the schedule's lock.
     """
-    places = slots(job_devices(env), settings.gpus_per_shard, settings.shards_per_gpu)
+    # A slot is a thread: never more than there are shards to run.
+    places = slots(job_devices(env), settings.gpus_per_shard, settings.shards_per_gpu)[:settings.count]
     if not places:
         raise NoDevicesForShards(f"each shard needs {settings.gpus_per_shard} GPU(s) and the job sees "
                                  f"{len(job_devices(env))} ({env.get('CUDA_VISIBLE_DEVICES', '')!r})")
