@@ -210,6 +210,17 @@ def test_ten_thousand_shards_run_through_the_built_in_flow_on_declared_gpus(pref
     assert "e31:gpus=4" in read_run(flow_run_id(result.stdout)).tags
 
 
+def test_a_plain_command_job_runs_once_through_the_built_in_flow(prefect_server, tmp_path, pool):
+    job = write_job(tmp_path / "plain", """
+        name: plain-command
+        work: {command: [python, -c, "import os; print('no shard:', os.environ.get('E31_SHARD_INDEX'))"]}
+        request: {gpus: 0, max_duration: 5m}
+        """)
+    result = cli("e31", "run", str(job), "--pool", pool)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "no shard: None" in result.stdout and ": Completed" in result.stdout
+
+
 def test_worker_refuses_a_run_past_its_latest_start_before_renting(prefect_server, tmp_path, pool):
     job = write_job(tmp_path / "late", """
         name: late-job
