@@ -307,6 +307,7 @@ async def _run_async(job: Job, args: argparse.Namespace, now: datetime) -> int:
     if flow_run.expected_start_time and flow_run.expected_start_time > datetime.now(timezone.utc):
         print(f"Waiting for its start at {flow_run.expected_start_time.isoformat(timespec='minutes')} "
               "(use --now to start at once)")
+    bar = ShardsBar(flow_run.id) if job.work.shards and sys.stdout.isatty() else None
     async with E31Worker(work_pool_name=args.pool, only_flow_run_ids={flow_run.id}) as worker:
         await worker.sync_with_backend()
         while True:
@@ -314,7 +315,11 @@ async def _run_async(job: Job, args: argparse.Namespace, now: datetime) -> int:
             current = await worker.client.read_flow_run(flow_run.id)
             if current.state and current.state.is_final() and not worker.busy:
                 break
+            if bar is not None:
+                await bar.show(worker.client)
             await asyncio.sleep(0.5)
+        if bar is not None:
+            await bar.show(worker.client, last=True)
         final = await worker.client.read_flow_run(flow_run.id)
         meter = worker.meters.get(flow_run.id)
         outputs = await _outputs_link(worker.client, flow_run.id)
@@ -326,6 +331,41 @@ async def _run_async(job: Job, args: argparse.Namespace, now: datetime) -> int:
     if meter:
         _print_meter(meter)
     return 0 if state.is_completed() else 1
+
+
+class ShardsBar:
+    """``e31 run``'s progress bar of a sharded job, drawn on the terminal from the run's progress artifact."""
+
+    def __init__(self, flow_run_id: UUID):
+        self.flow_run_id = flow_run_id
+        self.drawn = ""
+        self.read_at = 0.0
+
+    async def show(self, client, last: bool = False) -> None:
+        """Redraw the bar (the artifact is read at most every 2 s); ``last`` ends its line."""
+        import time
+
+        from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+
+        from e31_prefect.command_flow import PROGRESS_KEY
+        from e31_prefect.shards import progress_bar
+
+        if not last and time.monotonic() - self.read_at < 2:
+            return
+        self.read_at = time.monotonic()
+        try:
+            found = await client.read_artifacts(artifact_filter=ArtifactFilter(
+                flow_run_id=ArtifactFilterFlowRunId(any_=[self.flow_run_id]),
+                key=ArtifactFilterKey(any_=[PROGRESS_KEY])))
+        except Exception:  # a bar is a courtesy: the run goes on without it
+            found = []
+        if found:
+            line = progress_bar(float(found[0].data or 0), found[0].description or "")
+            if line != self.drawn:
+                print("\r\033[K" + line, end="", flush=True)
+                self.drawn = line
+        if last and self.drawn:
+            print()
 
 
 async def _outputs_link(client, flow_run_id: UUID) -> str | None:

@@ -2,33 +2,161 @@
 
 A job file with ``work: {command: [python, sim.py, --n, "10000"]}`` is deployed
 with this flow as its entrypoint; its output streams into the run's logs.
+
+A job with ``work.shards`` has its command run as that many shards over the
+job's rented devices (:mod:`e31_prefect.shard_runner`), inside this one flow run:
+one rent, one meter, one supervisor. A progress artifact follows the shards;
+the run fails, listing the failed shards, unless their failures are allowed;
+then the optional ``work.reduce`` command runs once.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
-import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
 
 from prefect import flow, get_run_logger
 
+from e31_prefect.dirs import OUTPUT_DIR_VARIABLE
+from e31_prefect.shard_runner import program, run_shards
+from e31_prefect.shards import (
+    SHARDS_VARIABLE,
+    Progress,
+    Schedule,
+    ShardSettings,
+    failure_rows,
+    failure_summary,
+    reduce_environment,
+)
+
 COMMAND_FLOW_NAME = "e31-command"
 COMMAND_FLOW_ENTRYPOINT = "e31_prefect.command_flow.run_command"
+PROGRESS_KEY = "e31-shards"
+FAILURES_KEY = "e31-shard-failures"
+LOG_COUNTS_EVERY_S = 30.0  # shard counts in the run's logs: often enough to follow, rare enough to read
 
 
 class CommandFailed(RuntimeError):
     """The job's command exited with a non-zero status."""
 
 
+class ShardsFailed(RuntimeError):
+    """More of the job's shards failed than it allows."""
+
+
 @flow(name=COMMAND_FLOW_NAME, log_prints=False)
-def run_command(command: list[str]) -> int:
-    """Run ``command``; ``python`` means the worker's own interpreter. Fails on a non-zero exit."""
+def run_command(command: list[str]) -> Any:
+    """Run ``command``; ``python`` means the worker's own interpreter. Fails on a non-zero exit.
+
+    With shards (``E31_SHARDS``, set by the worker from ``work.shards``) the command runs once per shard
+    and the result is a summary of the shards.
+    """
+    shards = os.environ.get(SHARDS_VARIABLE)
+    if shards:
+        return run_sharded(command, ShardSettings.from_text(shards))
+    stream(command, os.environ)
+    return 0
+
+
+def stream(command: Sequence[str], env: Mapping[str, str]) -> None:
+    """Run ``command`` with its output in the run's logs; raises :class:`CommandFailed` on a non-zero exit."""
     logger = get_run_logger()
-    argv = [sys.executable, *command[1:]] if command[0] in ("python", "python3") else list(command)
     logger.info("Running %s", " ".join(command))
-    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as process:
+    with subprocess.Popen(program(command), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          env=dict(env)) as process:
         assert process.stdout is not None
         for line in process.stdout:
             logger.info(line.rstrip())
     if process.returncode != 0:
         raise CommandFailed(f"{' '.join(command)} exited with status {process.returncode}")
-    return process.returncode
+
+
+def run_sharded(command: list[str], settings: ShardSettings) -> dict[str, Any]:
+    """Run the shards, report them, fail unless their failures are allowed, then run the reduce command."""
+    logger = get_run_logger()
+    output_dir = Path(os.environ[OUTPUT_DIR_VARIABLE])
+    progress = ProgressReport(settings.count)
+    logger.info("Running %s as %d shards (%s GPU(s) each, %d at once per GPU, %d retries each, %d failures "
+                "allowed)", " ".join(command), settings.count, settings.gpus_per_shard, settings.shards_per_gpu,
+                settings.retries, settings.allowed_failures)
+
+    def finished(shard: int, outcome: str, schedule: Schedule) -> None:
+        if outcome == "retry":
+            logger.warning("Shard %d failed (attempt %d); retrying it", shard, schedule.attempts[shard])
+        elif outcome == "failed":
+            failure = schedule.failures[shard]
+            logger.error("Shard %d failed for good (exit %d after %d attempt(s)):\n%s", shard, failure.exit_code,
+                         failure.attempts, failure.tail)
+
+    schedule = run_shards(command, settings, os.environ, output_dir, on_progress=progress.update,
+                          on_finish=finished)
+    progress.update(schedule.progress(progress.elapsed()), final=True)
+    summary = {"shards": settings.count, "succeeded": schedule.succeeded, "retried": schedule.retried,
+               "failed": sorted(schedule.failures), "not_run": schedule.not_run}
+    if schedule.failures:
+        report_failures(schedule)
+    if not schedule.ok:
+        raise ShardsFailed(failure_summary(schedule))
+    if schedule.failures:
+        logger.warning("%d shard(s) failed, within the %d allowed: %s", len(schedule.failures),
+                       settings.allowed_failures, ", ".join(map(str, sorted(schedule.failures))))
+    if settings.reduce:
+        stream(settings.reduce, {**os.environ, **reduce_environment(settings.count, list(schedule.failures))})
+    return summary
+
+
+def report_failures(schedule: Schedule) -> None:
+    """A table artifact of the failed shards with their last log lines."""
+    from prefect.artifacts import create_table_artifact
+
+    try:
+        create_table_artifact(failure_rows(schedule), key=FAILURES_KEY,
+                              description=failure_summary(schedule).splitlines()[0])
+    except Exception as exc:  # the run's outcome stands even if the API cannot take the artifact
+        get_run_logger().warning("Could not record the failed shards as an artifact: %s", exc)
+
+
+class ProgressReport:
+    """A Prefect progress artifact and log lines following the shards; an API hiccup never fails the run."""
+
+    def __init__(self, count: int):
+        self.count = count
+        self.started = time.monotonic()
+        self.logged = self.started
+        self.artifact_id: Any = None
+        self.last: Progress | None = None
+        self.logger = get_run_logger()
+        self._publish(Progress(count=count, done=0, failed=0, running=0, elapsed_s=0.0))
+
+    def elapsed(self) -> float:
+        """Seconds since the shards started."""
+        return time.monotonic() - self.started
+
+    def update(self, progress: Progress, final: bool = False) -> None:
+        """Show ``progress`` (when it changed) and, now and then and at the end, log the counts."""
+        if progress != self.last:
+            self._publish(progress)
+        now = time.monotonic()
+        if final or now - self.logged >= LOG_COUNTS_EVERY_S:
+            self.logged = now
+            self.logger.info("Shards: %s", progress.describe())
+
+    def _publish(self, progress: Progress) -> None:
+        from prefect.artifacts import create_progress_artifact, update_progress_artifact
+
+        if self.last is not None and (progress.finished, progress.running) == (self.last.finished,
+                                                                                 self.last.running):
+            return
+        self.last = progress
+        try:
+            if self.artifact_id is None:
+                self.artifact_id = create_progress_artifact(100 * progress.fraction, key=PROGRESS_KEY,
+                                                            description=progress.describe())
+            else:
+                update_progress_artifact(self.artifact_id, 100 * progress.fraction, description=progress.describe())
+        except Exception as exc:
+            self.logger.warning("Could not update the shards' progress artifact: %s", exc)

@@ -33,12 +33,14 @@ from pydantic import (
     Field,
     PlainSerializer,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
 from pydantic_core import PydanticCustomError
 
 from e31_prefect import timing
+from e31_prefect.shards import ShardSettings, expected_array_duration, slot_count
 
 SUPPORTED_SCHEMES = ("file", "s3")
 OUTPUT_PLACEHOLDERS = ("flow_run.id", "flow_run.name", "date", "job")
@@ -48,6 +50,9 @@ MAX_GPUS = 1024  # a job runs on one host's devices
 MAX_CPUS = 1024
 MAX_ARGUMENT_BYTES = 128 * 1024 - 1  # Linux's MAX_ARG_STRLEN less the NUL: longer and exec fails after renting
 MAX_INT = 2**63 - 1  # what JSON job variables and every store downstream can hold
+MAX_SHARDS = 100_000  # Slurm's default MaxArraySize is 1001; ten thousand simulations fit with room to spare
+MAX_SHARD_RETRIES = 10
+MAX_SHARDS_PER_GPU = 64
 NUL_FIX = "contains a NUL character (\\0), which no command, path or variable can carry; remove it"
 
 def job_name(text: str) -> str:
@@ -147,12 +152,27 @@ def check_relative_path(path: str) -> str:
     return str(pure)
 
 
+def _shown(value: Any) -> Any:
+    """A value as the job file writes it (a duration as 30s, not a timedelta)."""
+    return timing.format_duration(value) if isinstance(value, timedelta) else value
+
+
 def _too_long(text: str, what: str) -> str | None:
     """Why ``text`` cannot be one argument or variable of a Linux process, or None when it can."""
     size = len(text.encode("utf-8", "surrogatepass"))
     if size <= MAX_ARGUMENT_BYTES:
         return None
     return f"is {size} bytes; Linux passes at most 128 KiB per {what}: put it in a file and stage it as data"
+
+
+_SHARD_COUNTS = {  # field: lowest, highest, what to do outside them
+    "shards": (1, MAX_SHARDS, f"must be from 1 to {MAX_SHARDS}; a job of more pieces is several jobs, or pieces "
+               "that each loop over many items"),
+    "gpus_per_shard": (0, MAX_GPUS, f"must be from 0 (CPU-only shards) to {MAX_GPUS}"),
+    "shards_per_gpu": (1, MAX_SHARDS_PER_GPU, f"must be from 1 to {MAX_SHARDS_PER_GPU} shards at once per GPU"),
+    "shard_retries": (0, MAX_SHARD_RETRIES, f"must be from 0 to {MAX_SHARD_RETRIES}; a shard failing more often "
+                      "fails for a reason a retry will not fix"),
+}
 
 
 class Work(BaseModel):
@@ -193,7 +213,55 @@ class Work(BaseModel):
         examples=["ghcr.io/acme/trainer:2026.12"],
     )
 
-    @field_validator("command", mode="before")
+    shards: int | None = Field(
+        default=None,
+        title="Shards",
+        description="Run the command this many times, as shards of one job (a Slurm job array): one rent, "
+        f"one meter, shards spread over the rented GPUs, each with E31_SHARD_INDEX set. At most {MAX_SHARDS}.",
+        examples=[10000],
+    )
+    gpus_per_shard: int | None = Field(
+        default=None,
+        title="GPUs per shard",
+        description="GPUs each shard sees (default 1; 0 for CPU-only shards of a job renting no GPU).",
+        examples=[1],
+    )
+    shards_per_gpu: int | None = Field(
+        default=None,
+        title="Shards at once per GPU",
+        description="How many shards share a GPU at once (default 1); for CPU-only shards, how many run at once.",
+        examples=[2],
+    )
+    shard_retries: int | None = Field(
+        default=None,
+        title="Shard retries",
+        description=f"How many times a failed shard is run again, on any free slot (default 0, at most "
+        f"{MAX_SHARD_RETRIES}).",
+        examples=[2],
+    )
+    allow_failed_shards: int | float | None = Field(
+        default=None,
+        title="Failed shards allowed",
+        description="How many shards may still fail (after retries) with the job Completed: a count (3) or a "
+        "fraction of the shards (0.01). Default 0: every shard must succeed.",
+        examples=[0.01],
+    )
+    expected_shard_duration: Duration | None = Field(
+        default=None,
+        title="Expected shard duration",
+        description="How long one shard usually takes: an until-done job's expected duration is then its shards "
+        "spread over its slots, used to judge the deadline.",
+        examples=["30s"],
+    )
+    reduce: list[str] | None = Field(
+        default=None,
+        title="Reduce command",
+        description="A command run once after all shards, in the same rent, to combine their outputs "
+        "(each shard writes under shard-<index>/ of the output dir).",
+        examples=[["python", "sims/summarize.py"]],
+    )
+
+    @field_validator("command", "reduce", mode="before")
     @classmethod
     def _split_command(cls, value: Any) -> Any:
         if isinstance(value, str):
@@ -206,12 +274,13 @@ class Work(BaseModel):
             return [str(item) for item in value]
         return value
 
-    @field_validator("command")
+    @field_validator("command", "reduce")
     @classmethod
-    def _command_runnable(cls, value: list[str] | None) -> list[str] | None:
+    def _command_runnable(cls, value: list[str] | None, info: ValidationInfo) -> list[str] | None:
         if value is not None and not value:
             raise ValueError("is empty; give the program and its arguments, e.g. [python, sim.py]")
-        problems = [Problem("work.command", item, fix) for item in value or [] if (fix := _too_long(item, "argument"))]
+        field = f"work.{info.field_name}"
+        problems = [Problem(field, item, fix) for item in value or [] if (fix := _too_long(item, "argument"))]
         if problems:
             raise _cross(problems)
         return value
@@ -243,12 +312,59 @@ class Work(BaseModel):
             raise _cross(problems)
         return {name: str(text) for name, text in env.items()}
 
+    @field_validator("shards", "gpus_per_shard", "shards_per_gpu", "shard_retries", mode="before")
+    @classmethod
+    def _count_in_range(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is None:
+            return value
+        # pydantic would read true as 1 and 2.0 as 2: neither is how anyone writes a count.
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError("is not a whole number; write a count such as 4")
+        low, high, fix = _SHARD_COUNTS[info.field_name or ""]
+        if not low <= value <= high:
+            raise ValueError(fix)
+        return value
+
+    @field_validator("allow_failed_shards", mode="before")
+    @classmethod
+    def _count_or_fraction(cls, value: Any) -> Any:
+        if value is None:
+            return value
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError("is not a count or a fraction; write e.g. 3 (shards) or 0.01 (of the shards)")
+        if isinstance(value, float) and not 0 <= value < 1:  # also refuses NaN and infinity
+            raise ValueError("is a fraction of the shards, so at least 0 and below 1; write a count (3) "
+                             "or a fraction (0.01)")
+        if isinstance(value, int) and value < 0:
+            raise ValueError("must be 0 or more shards")
+        return value
+
     @model_validator(mode="after")
     def _flow_or_command(self) -> Work:
         if self.flow and self.command:
             raise _cross([Problem("work", {"flow": self.flow, "command": self.command},
                                   "give either flow or command, not both")])
+        problems = self.shard_problems()
+        if problems:
+            raise _cross(problems)
         return self
+
+    def shard_problems(self) -> list[Problem]:
+        """What is wrong with the work's shard fields on their own (the request's GPUs are checked by the job)."""
+        problems = []
+        if self.shards is not None and self.flow:
+            problems.append(Problem("work.shards", self.shards, "shards a command only, for now; give "
+                                    "work.command (e.g. [python, flow_script.py]) instead of work.flow"))
+        if isinstance(self.allow_failed_shards, int) and self.shards and self.allow_failed_shards >= self.shards:
+            problems.append(Problem("work.allow_failed_shards", self.allow_failed_shards,
+                                    f"allows all {self.shards} shards to fail, so the job could never fail; "
+                                    "allow fewer"))
+        if self.shards is None:
+            given = [name for name in ("gpus_per_shard", "shards_per_gpu", "shard_retries", "allow_failed_shards",
+                                       "expected_shard_duration", "reduce") if getattr(self, name) is not None]
+            problems += [Problem(f"work.{name}", _shown(getattr(self, name)), "only applies to a sharded job; set "
+                                 "work.shards (e.g. shards: 100) or remove it") for name in given]
+        return problems
 
 
 class DataInput(BaseModel):
@@ -545,6 +661,57 @@ class Job(BaseModel):
         if problems:
             raise _cross(problems)
         return data
+
+    @model_validator(mode="after")
+    def _shards_fit_the_time_limit(self) -> Job:
+        request, per_shard = self.request, self.work.expected_shard_duration
+        if per_shard is None or request.max_duration is None or self.expected_duration <= request.max_duration:
+            return self
+        raise _cross([Problem("work.expected_shard_duration", timing.format_duration(per_shard),
+                              f"makes {self.work.shards} shards over {self.shard_slots} slot(s) take "
+                              f"{timing.format_duration(self.expected_duration)}, beyond max_duration "
+                              f"{timing.format_duration(request.max_duration)}; rent more GPUs, run more shards "
+                              "per GPU, or raise the time limit")])
+
+    @property
+    def shard_slots(self) -> int:
+        """How many of the job's shards run at once (1 for a job without shards)."""
+        settings = ShardSettings.of(self)
+        if settings is None:
+            return 1
+        return slot_count(self.request.gpus, settings.gpus_per_shard, settings.shards_per_gpu)
+
+    @property
+    def expected_duration(self) -> timedelta | None:
+        """How long the job usually takes: the request's, else its shards' spread over its slots."""
+        work = self.work
+        if self.request.expected_duration is not None or work.expected_shard_duration is None or not work.shards:
+            return self.request.expected_duration
+        return expected_array_duration(work.shards, self.shard_slots, work.expected_shard_duration)
+
+    @property
+    def admission_duration(self) -> timedelta:
+        """How long before its deadline a run must start (its time limit, else its expected duration)."""
+        return timing.admission_duration(self.request.max_duration, self.expected_duration)
+
+    @model_validator(mode="after")
+    def _shards_fit_the_request(self) -> Job:
+        work, gpus = self.work, self.request.gpus
+        if work.shards is None or work.gpus_per_shard is None:
+            return self
+        if work.gpus_per_shard > gpus:
+            raise _cross([Problem("work.gpus_per_shard", work.gpus_per_shard,
+                                  f"is more than the job's request.gpus ({gpus}); rent at least "
+                                  f"{work.gpus_per_shard} GPU(s) or give each shard fewer")])
+        if work.gpus_per_shard == 0 and gpus:
+            raise _cross([Problem("work.gpus_per_shard", 0, f"leaves the job's {gpus} rented GPU(s) unused; "
+                                  "give each shard 1 or more, or rent gpus: 0")])
+        if work.gpus_per_shard and gpus % work.gpus_per_shard:
+            # The leftover devices would be billed and never used.
+            raise _cross([Problem("work.gpus_per_shard", work.gpus_per_shard,
+                                  f"does not divide request.gpus ({gpus}): {gpus % work.gpus_per_shard} GPU(s) would "
+                                  "be rented and sit idle; rent a multiple of it")])
+        return self
 
     @model_validator(mode="after")
     def _targets_apart(self) -> Job:
@@ -922,7 +1089,7 @@ def plan(job: Job, now: datetime, *, start_now: bool = False) -> Plan:
     return Plan(
         start=start,
         deadline=deadline,
-        latest_start=timing.latest_start(deadline, job.request.admission_duration),
+        latest_start=timing.latest_start(deadline, job.admission_duration),
         time_limit=job.request.time_limit,
     )
 
@@ -932,7 +1099,7 @@ def plan_problems(job: Job, the_plan: Plan) -> list[Problem]:
     if the_plan.latest_start is None or the_plan.latest_start >= the_plan.start:
         return []
     assert the_plan.deadline is not None
-    need = timing.format_duration(job.request.admission_duration)
+    need = timing.format_duration(job.admission_duration)
     deadline, start = (moment.astimezone(job.tz).isoformat() for moment in (the_plan.deadline, the_plan.start))
     return [Problem(
         "request.deadline", job.request.deadline,

@@ -33,8 +33,9 @@ import httpx
 from prefect.client.schemas.objects import FlowRun, State
 from prefect.exceptions import ObjectNotFound
 
-from e31_prefect import cgroups, endings, quotas, reporting, results, spool, timing
+from e31_prefect import cgroups, endings, quotas, reporting, results, shards, spool, timing
 from e31_prefect.blocks import StorageBlockError, load_job_storage
+from e31_prefect.command_flow import COMMAND_FLOW_ENTRYPOINT
 from e31_prefect.endings import Ending
 from e31_prefect.inventory import Device, pick_devices
 from e31_prefect.job import Job, JobError
@@ -256,6 +257,10 @@ class JobLife:
         except (JobError, ValueError) as exc:
             raise Ends(endings.INVALID_JOB.saying("The job is not valid:\n" + str(exc))) from None
         job = job.model_copy(update={"team": team})
+        unshardable = shards.entrypoint_problem(job.work.shards, getattr(self.configuration, "entrypoint", None),
+                                                COMMAND_FLOW_ENTRYPOINT)
+        if unshardable:
+            raise Ends(endings.INVALID_JOB.saying("The job is not valid:\n" + unshardable))
         self.job_name = job.name
         self.meter.gpus, self.meter.team = job.request.gpus, job.team
         refused = self.configuration.setting_problems(self.worker.settings.allowed_volumes)
@@ -268,7 +273,7 @@ class JobLife:
                                                   + "\n".join(map(str, refused))))
         self._destination(job)  # a destination the run may not write ends it here, before anything is held
         deadline = timing.resolve_deadline(job.request.deadline, scheduled_start(self.flow_run), job.tz)
-        latest = timing.latest_start(deadline, job.request.admission_duration)
+        latest = timing.latest_start(deadline, job.admission_duration)
         if latest is not None and now() > latest:
             self.report.step("deadline-missed", latest_start=latest.isoformat())
             raise Ends(endings.DEADLINE_MISSED.saying(

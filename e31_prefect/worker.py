@@ -145,6 +145,11 @@ class _Configuration(DockerWorkerJobConfiguration):
             if flow is not None:
                 self._job_name = job_name(flow.name)
 
+    @property
+    def entrypoint(self) -> str | None:
+        """The flow the run's deployment (or decorated flow) runs, where known."""
+        return self._entrypoint
+
     def job(self, name: str | None = None) -> Job:
         """The validated job; raises :class:`JobError` naming each bad field.
 
@@ -401,9 +406,9 @@ class E31Worker(DockerWorker):
             gpus=job.request.gpus,
             gpu_type=job.request.gpu_type,
             scheduled=scheduled,
-            latest_start=timing.latest_start(deadline, job.request.admission_duration),
+            latest_start=timing.latest_start(deadline, job.admission_duration),
             priority=job.request.priority,
-            duration=job.request.time_limit or job.request.expected_duration,
+            duration=job.request.time_limit or job.expected_duration,
             queue_priority=queue_priority,
         ), quotas.team_by_queue(self.settings.queue_teams, flow_run.work_queue_name, job.team)
 

@@ -19,6 +19,7 @@ from e31_prefect.inventory import Device, visible_devices_env
 from e31_prefect.job import Job
 from e31_prefect.ledger import RunFolder, Spec
 from e31_prefect.results import result_environment
+from e31_prefect.shards import SHARDS_VARIABLE, ShardSettings
 
 if TYPE_CHECKING:
     from e31_prefect.settings import E31Settings
@@ -119,10 +120,13 @@ def job_environment(job: Job, devices: Sequence[Device], data_dir: PurePath | st
     The devices and dirs come last so a job cannot widen its own view of the host; the result
     settings come first so a job may choose its own result storage.
     """
+    shards = ShardSettings.of(job)
     return {
         **result_environment(output_dir),
         **job.work.env,
         **visible_devices_env(devices),
         DATA_DIR_VARIABLE: str(data_dir),
         OUTPUT_DIR_VARIABLE: str(output_dir),
+        # The command flow runs the shards; it learns how from here, so a deployment's job variables decide.
+        **({SHARDS_VARIABLE: shards.to_text()} if shards else {}),
     }

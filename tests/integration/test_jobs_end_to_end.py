@@ -195,14 +195,28 @@ def test_missing_expected_output_fails_the_run_naming_the_file(prefect_server, t
     assert (tmp_path / "forgetful" / "out" / "metrics.json").exists()
 
 
-def test_command_job_runs_through_the_built_in_flow(prefect_server, jobs, pool):
-    result = cli("e31", "run", str(jobs / "simulations.yaml"), "--pool", pool)
+def test_ten_thousand_shards_run_through_the_built_in_flow_on_declared_gpus(prefect_server, jobs, pool):
+    result = cli("e31", "run", str(jobs / "simulations.yaml"), "--pool", pool, gpus="4xH100")
     assert result.returncode == 0, result.stdout + result.stderr
     [out] = (jobs / "outputs" / "ten-thousand-simulations").iterdir()
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["simulations"] == 10000
+    assert summary["simulations"] == 10000 and summary["failed_shards"] == []
     histogram = (out / "histogram.csv").read_text().splitlines()[1:]
     assert sum(int(line.split(",")[1]) for line in histogram) == 10000
+    assert len(list(out.glob("shard-*/finished.txt"))) == 10000
+    # One job: one rent of the four GPUs, one meter.
+    assert "e31:gpus=4" in read_run(flow_run_id(result.stdout)).tags
+
+
+def test_a_plain_command_job_runs_once_through_the_built_in_flow(prefect_server, tmp_path, pool):
+    job = write_job(tmp_path / "plain", """
+        name: plain-command
+        work: {command: [python, -c, "import os; print('no shard:', os.environ.get('E31_SHARD_INDEX'))"]}
+        request: {gpus: 0, max_duration: 5m}
+        """)
+    result = cli("e31", "run", str(job), "--pool", pool)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "no shard: None" in result.stdout and ": Completed" in result.stdout
 
 
 def test_worker_refuses_a_run_past_its_latest_start_before_renting(prefect_server, tmp_path, pool):

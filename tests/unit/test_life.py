@@ -489,3 +489,16 @@ async def test_a_process_job_the_host_cannot_run_ends_before_renting_saying_why(
     ending = await ending_of_async(lambda: life.check(life.admit(), CommandRuntime("", problem=problem)))
     assert ending.is_(endings.HOST_CANNOT_RUN) and not ending.billed
     assert "cannot read /opt/x" in ending.message
+
+
+def test_admit_refuses_shards_for_a_deployment_running_a_flow_of_its_own(tmp_path):
+    sharded = job_dict(tmp_path) | {"work": {"shards": 100}}
+    life = life_for(tmp_path, sharded)
+    life.configuration.entrypoint = "flows/train.py:train"  # type: ignore[union-attr]
+    ending = ending_of(life.admit)
+    assert ending.is_(endings.INVALID_JOB) and not ending.billed
+    assert "work.shards = 100: shards a command only, and this deployment runs the flow flows/train.py:train" \
+        in ending.message
+    life = life_for(tmp_path, sharded)
+    life.configuration.entrypoint = "e31_prefect.command_flow.run_command"  # type: ignore[union-attr]
+    assert life.admit().work.shards == 100

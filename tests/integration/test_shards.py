@@ -1,0 +1,191 @@
+"""Sharded jobs end to end: `e31 run` of a job array on declared GPUs, a real Prefect server, the process runtime.
+
+What a user checks: each shard saw only its devices and its index, a flaky shard ran again,
+failures within the allowance still complete the job, the reduce step combined the shards,
+the progress artifact reached 100%, and a job failing past its allowance names its shards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from prefect import get_client
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+from e31_prefect.ledger import process_running
+from tests.integration.conftest import cli, flow_run_id
+
+pytestmark = pytest.mark.integration
+
+SHARD = """\
+import json, os, sys
+from pathlib import Path
+
+index = int(os.environ["E31_SHARD_INDEX"])
+out = Path(os.environ["E31_OUTPUT_DIR"])
+tries = out / "tries"
+tries.write_text(str(int(tries.read_text()) + 1 if tries.exists() else 1))
+names = ("E31_SHARD_COUNT", "SLURM_ARRAY_TASK_ID", "AWS_BATCH_JOB_ARRAY_INDEX", "JOB_COMPLETION_INDEX",
+         "CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES")
+(out / "seen.json").write_text(json.dumps({name: os.environ.get(name) for name in names}))
+if index in (3, 5) and tries.read_text() == "1":
+    sys.exit("flaky: first try of shard %d fails" % index)
+if index == 7:
+    print("loading shard 7")
+    sys.exit("bad parameters for shard 7")
+"""
+
+REDUCE = """\
+import json, os
+from pathlib import Path
+
+out = Path(os.environ["E31_OUTPUT_DIR"])
+done = sorted(int(p.parent.name.split("-")[1]) for p in out.glob("shard-*/seen.json"))
+(out / "reduced.json").write_text(json.dumps({"shards": done, "count": os.environ["E31_SHARD_COUNT"],
+                                             "failed": os.environ["E31_FAILED_SHARDS"]}))
+"""
+
+
+SLEEP = """\
+import os, time
+from pathlib import Path
+(Path(os.environ["E31_OUTPUT_DIR"]) / "pid").write_text(str(os.getpid()))
+time.sleep(600)
+"""
+
+
+def shard_pids(run_id) -> list[int]:
+    """The pids the running shards of a run wrote into their folders of its workspace."""
+    output = Path(os.environ["E31_HOME"]) / "workspaces" / str(run_id) / "output"
+    return [int(text) for path in output.glob("shard-*/pid") if (text := path.read_text().strip())]
+
+
+def write_job(folder: Path, allow: str) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "shard.py").write_text(SHARD)
+    (folder / "reduce.py").write_text(REDUCE)
+    job = folder / "job.yaml"
+    job.write_text(textwrap.dedent(f"""\
+        name: array-{allow.replace('.', '-')}
+        work:
+          command: [python, shard.py]
+          shards: 12
+          gpus_per_shard: 2
+          shards_per_gpu: 2
+          shard_retries: 1
+          allow_failed_shards: {allow}
+          reduce: [python, reduce.py]
+        request: {{gpus: 4, max_duration: 5m}}
+        output: {{to: ./out/}}
+        """))
+    return job
+
+
+def artifacts_of(run_id) -> dict[str, object]:
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run_id])))
+    return {a.key: a for a in found if a.key}
+
+
+def test_shards_run_over_the_rented_gpus_with_retries_an_allowance_and_a_reduce(prefect_server, tmp_path, pool):
+    job = write_job(tmp_path / "array", "1")
+    result = cli("e31", "run", str(job), "--pool", pool, gpus="4xH100")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert ": Completed" in result.stdout
+    out = tmp_path / "array" / "out"
+
+    pairs = set()
+    for shard in range(12):
+        seen = json.loads((out / f"shard-{shard}" / "seen.json").read_text())
+        assert seen["E31_SHARD_COUNT"] == "12"
+        assert {seen[n] for n in ("SLURM_ARRAY_TASK_ID", "AWS_BATCH_JOB_ARRAY_INDEX", "JOB_COMPLETION_INDEX")} \
+            == {str(shard)}
+        assert seen["NVIDIA_VISIBLE_DEVICES"] == seen["CUDA_VISIBLE_DEVICES"]
+        pairs.add(seen["CUDA_VISIBLE_DEVICES"])
+    assert pairs <= {"0,1", "2,3"}  # two GPUs each, never another shard's half
+
+    tries = {shard: int((out / f"shard-{shard}" / "tries").read_text()) for shard in range(12)}
+    assert tries == {**dict.fromkeys(range(12), 1), 3: 2, 5: 2, 7: 2}
+    assert "bad parameters for shard 7" in (out / "shard-7" / "shard.log").read_text()
+
+    assert json.loads((out / "reduced.json").read_text()) == {"shards": list(range(12)), "count": "12",
+                                                                 "failed": "7"}
+
+    artifacts = artifacts_of(flow_run_id(result.stdout))
+    progress = artifacts["e31-shards"]
+    assert progress.type == "progress" and float(progress.data) == 100.0
+    assert progress.description.startswith("11/12 shards done, 1 failed, 0 running")
+    [row] = json.loads(artifacts["e31-shard-failures"].data)
+    assert row["shard"] == 7 and row["attempts"] == 2 and "bad parameters for shard 7" in row["last_lines"]
+
+
+def test_shards_failing_past_the_allowance_fail_the_job_naming_them_and_skip_the_reduce(prefect_server, tmp_path,
+                                                                                         pool):
+    job = write_job(tmp_path / "strict", "0")
+    result = cli("e31", "run", str(job), "--pool", pool, gpus="4xH100")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "1 of 12 shards failed (allowed: 0)" in result.stdout
+    assert "shard 7: exit 1 after 2 attempt(s): bad parameters for shard 7" in result.stdout
+    assert not (tmp_path / "strict" / "out" / "reduced.json").exists()
+    artifacts = artifacts_of(flow_run_id(result.stdout))
+    assert [row["shard"] for row in json.loads(artifacts["e31-shard-failures"].data)] == [7]
+
+
+def test_the_time_limit_stops_every_running_shard(prefect_server, tmp_path, pool):
+    folder = tmp_path / "sleepy"
+    folder.mkdir()
+    (folder / "sleep.py").write_text(SLEEP)
+    (folder / "job.yaml").write_text(textwrap.dedent("""\
+        name: sleepy-array
+        work: {command: [python, sleep.py], shards: 8}
+        request: {gpus: 4, max_duration: 15s}
+        output: {to: ./out/}
+        """))
+    result = cli("e31", "run", str(folder / "job.yaml"), "--pool", pool, gpus="4xH100",
+                 env={"E31_STOP_GRACE_SECONDS": "2"})
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert ": TimedOut" in result.stdout
+    pids = [int(path.read_text()) for path in (folder / "out").glob("shard-*/pid")]
+    assert 1 <= len(pids) <= 4  # four GPUs, one shard each at a time; the rest never started
+    assert not any(process_running(pid) for pid in pids)
+
+
+def test_cancelling_a_sharded_run_stops_every_running_shard(prefect_server, tmp_path, pool):
+    folder = tmp_path / "cancel"
+    folder.mkdir()
+    (folder / "sleep.py").write_text(SLEEP)
+    (folder / "job.yaml").write_text(textwrap.dedent("""\
+        name: cancelled-array
+        work: {command: [python, sleep.py], shards: 6, shards_per_gpu: 2}
+        request: {gpus: 1, max_duration: 10m}
+        output: {to: ./out/}
+        """))
+    submitted = cli("e31", "submit", str(folder / "job.yaml"), "--pool", pool)
+    run_id = flow_run_id(submitted.stdout)
+    worker = subprocess.Popen(
+        [str(Path(sys.executable).parent / "prefect"), "worker", "start", "--pool", pool, "--type", "e31",
+         "--run-once"], env={**os.environ, "E31_GPUS": "1xH100", "E31_WATCH_SECONDS": "0.5"},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        # Cancel once both slots of the one GPU run a shard (each writes its pid as it starts).
+        deadline = time.monotonic() + 180
+        while len(pids := shard_pids(run_id)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert len(pids) == 2, pids
+        cancelled = cli("prefect", "flow-run", "cancel", str(run_id))
+        assert cancelled.returncode == 0, cancelled.stdout + cancelled.stderr
+        output = worker.communicate(timeout=120)[0]
+    finally:
+        worker.kill()
+    with get_client(sync_client=True) as client:
+        run = client.read_flow_run(run_id)
+    assert run.state.is_cancelled(), (run.state, output[-3000:])
+    assert not any(process_running(pid) for pid in pids)
