@@ -1,0 +1,72 @@
+"""A backlog bigger than Prefect's page: the worker ranks every waiting run, not the first 200.
+
+Runs the real ``e31 submit`` and ``prefect worker start --run-once`` against a real Prefect server.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from prefect import get_client
+from prefect.client.schemas.filters import (
+    FlowRunFilter,
+    FlowRunFilterDeploymentId,
+    FlowRunFilterState,
+    FlowRunFilterStateType,
+)
+from prefect.client.schemas.objects import StateType
+
+from tests.integration.conftest import cli, flow_run_id
+from tests.integration.test_jobs_end_to_end import read_run, write_job
+
+pytestmark = pytest.mark.integration
+
+BACKLOG = 250  # more than the server's page (PREFECT_SERVER_API_DEFAULT_LIMIT, 200)
+
+FLOW = """
+    from prefect import flow
+    from e31_prefect import output_dir
+
+    @flow
+    def mark():
+        (output_dir() / "ran").write_text("yes")
+    """
+
+
+def test_a_run_submitted_behind_a_full_page_with_the_earliest_deadline_starts_first(prefect_server, tmp_path: Path,
+                                                                                      pool):
+    relaxed = write_job(tmp_path / "relaxed", """
+        name: relaxed
+        work: {flow: flow.py:mark}
+        request: {gpus: 1, max_duration: 10m, deadline: +8h}
+        output: {to: ./out/}
+        """, flow=FLOW)
+    urgent = write_job(tmp_path / "urgent", """
+        name: urgent
+        work: {flow: flow.py:mark}
+        request: {gpus: 1, max_duration: 10m, deadline: +30m}
+        output: {to: ./out/}
+        """, flow=FLOW)
+    submitted = cli("e31", "submit", str(relaxed), "--pool", pool)
+    assert submitted.returncode == 0, submitted.stderr
+    with get_client(sync_client=True) as client:
+        deployment_id = client.read_flow_run(flow_run_id(submitted.stdout)).deployment_id
+        for _ in range(BACKLOG - 1):  # the rest of the batch, as `prefect deployment run` makes them
+            client.create_flow_run_from_deployment(deployment_id)
+    submitted = cli("e31", "submit", str(urgent), "--pool", pool)  # last: behind the whole page
+    assert submitted.returncode == 0, submitted.stderr
+    urgent_id = flow_run_id(submitted.stdout)
+
+    worker = cli("prefect", "worker", "start", "--pool", pool, "--type", "e31", "--run-once", gpus="1xH100")
+
+    assert worker.returncode == 0, worker.stdout + worker.stderr
+    assert read_run(urgent_id).state.is_completed()
+    assert (tmp_path / "urgent" / "out" / "ran").exists()
+    with get_client(sync_client=True) as client:
+        still_waiting = client.count_flow_runs(flow_run_filter=FlowRunFilter(
+            deployment_id=FlowRunFilterDeploymentId(any_=[deployment_id]),
+            state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.SCHEDULED]))))
+    assert still_waiting == BACKLOG  # the worker's one GPU went to the urgent run
+    assert not (tmp_path / "relaxed" / "out").exists()
+
