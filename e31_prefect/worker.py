@@ -37,7 +37,7 @@ from prefect.workers.base import BaseVariables, BaseWorkerResult
 from prefect_docker.worker import DockerWorker, DockerWorkerJobConfiguration
 from pydantic import Field, PrivateAttr, create_model
 
-from e31_prefect import backlog, endings, quotas, reporting, timing
+from e31_prefect import backlog, endings, inventories, quotas, reporting, timing
 from e31_prefect.blocks import E31Storage
 from e31_prefect.inventory import Inventory, discover
 from e31_prefect.job import JOB_VARIABLE_KEYS, Job, Problem, anchor, code_root, job_name
@@ -285,6 +285,25 @@ class E31Worker(DockerWorker):
     async def _sync_and_initialize(self) -> None:
         await super()._sync_and_initialize()
         self.adopt_orphans()  # a worker sharing this host's ledger may have died since
+        await self.publish_inventory()
+
+    async def publish_inventory(self) -> None:
+        """Publish this worker's devices and their holds for ``e31 queue`` (:mod:`e31_prefect.inventories`),
+        on each heartbeat. Only a pool's worker publishes: ``e31 run`` and ``@e31`` serve one run."""
+        if not self._serving or self._work_pool is None:
+            return
+        free = set(self.inventory.free())
+        holds: dict[Any, datetime | None] = {device: self.holds_until.get(holder)
+                                             for device, holder in self.inventory.holders().items()}
+        for device in self.inventory.devices:
+            if device not in free and device not in holds:
+                holds[device] = None  # held by another process on this host, end unknown
+        value = inventories.describe(self._work_pool_name, self.name, socket.gethostname(),
+                                     self.inventory.devices, holds)
+        try:
+            await inventories.publish(self.client, self._work_pool_name, self.name, value)
+        except Exception as exc:  # only `e31 queue` misses it; the worker works without
+            self._logger.warning("Could not publish this worker's inventory for `e31 queue`: %s", exc)
 
     def adopt_orphans(self) -> list[str]:
         """Adopt every run in this host's ledger that no live worker owns; returns their ids.
@@ -358,6 +377,16 @@ class E31Worker(DockerWorker):
             if response.flow_run.id not in submitted:  # Prefect's limiter (--limit) said no: hold nothing for it
                 self.return_devices(response.flow_run.id)
         return [response.flow_run for response in chosen if response.flow_run.id in submitted]
+
+    async def read_waiting(self) -> dict[UUID, tuple[WaitingRun, str, str]]:
+        """Every due run of the pool, evaluated as a poll evaluates it, with its flow run's and job's names
+        (``e31 queue``). Reads the pool without a heartbeat: the reader is not a worker of the pool."""
+        self._work_pool = await self.client.read_work_pool(self._work_pool_name)
+        queues = await self._pool_queues()
+        responses = await self._backlog(queues)
+        waiting = await self._waiting_runs([r.flow_run for r in responses], queues)
+        return {r.flow_run.id: (waiting[r.flow_run.id][0], r.flow_run.name, waiting[r.flow_run.id][1])
+                for r in responses}
 
     async def _backlog(self, queues: dict[UUID, WorkQueue] | None) -> list[WorkerFlowRunResponse]:
         """Every due run of the pool's (or this worker's) work queues, page by page (:mod:`e31_prefect.backlog`).

@@ -5,6 +5,7 @@ Runs the real ``e31 submit`` and ``prefect worker start --run-once`` against a r
 
 from __future__ import annotations
 
+from datetime import datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -70,3 +71,33 @@ def test_a_run_submitted_behind_a_full_page_with_the_earliest_deadline_starts_fi
     assert still_waiting == BACKLOG  # the worker's one GPU went to the urgent run
     assert not (tmp_path / "relaxed" / "out").exists()
 
+
+def test_queue_lists_every_waiting_run_with_its_planned_start_and_whether_it_meets_its_deadline(
+        prefect_server, tmp_path: Path, pool):
+    # A worker with one H100 comes online, publishes its inventory, finds nothing due and exits; it counts as
+    # live for three heartbeat intervals, as Prefect says of any worker.
+    worker = cli("prefect", "worker", "start", "--pool", pool, "--type", "e31", "--run-once", gpus="1xH100",
+                 env={"PREFECT_WORKER_HEARTBEAT_SECONDS": "600"})
+    assert worker.returncode == 0, worker.stdout + worker.stderr
+    for name, deadline in (("third", "+8h"), ("second", "+105m"), ("first", "+90m")):
+        job = write_job(tmp_path / name, f"""
+            name: {name}
+            work: {{flow: flow.py:mark}}
+            request: {{gpus: 1, max_duration: 1h, deadline: "{deadline}"}}
+            output: {{to: ./out/}}
+            """, flow=FLOW)
+        submitted = cli("e31", "submit", str(job), "--pool", pool)
+        assert submitted.returncode == 0, submitted.stderr
+
+    shown = cli("e31", "queue", "--pool", pool)
+
+    assert shown.returncode == 0, shown.stdout + shown.stderr
+    lines = shown.stdout.splitlines()
+    assert lines[0] == "1 live worker(s), 1 GPU(s), 1 free now; 3 waiting run(s)", shown.stdout
+    rows = [line.split() for line in lines[2:]]
+    # [run, job, gpus, start date, start time, finish date, finish time, latest date, latest time, meets]
+    assert [(row[1], row[-1]) for row in rows] == [("first", "yes"), ("second", "no"), ("third", "yes")]
+    first = rows[0]
+    assert (datetime.fromisoformat(f"{first[5]}T{first[6]}") - datetime.fromisoformat(f"{first[3]}T{first[4]}")
+            == timedelta(hours=1))
+    assert rows[1][3:5] == first[5:7]  # the second waits for the first's hour on the one GPU
