@@ -5,8 +5,11 @@ Runs the real ``e31 submit`` and ``prefect worker start --run-once`` against a r
 
 from __future__ import annotations
 
+import asyncio
+import time
 from datetime import datetime, timedelta
 from pathlib import Path
+from uuid import UUID
 
 import pytest
 from prefect import get_client
@@ -17,7 +20,9 @@ from prefect.client.schemas.filters import (
     FlowRunFilterStateType,
 )
 from prefect.client.schemas.objects import StateType
+from prefect.states import Scheduled
 
+from e31_prefect.worker import E31Worker
 from tests.integration.conftest import cli, flow_run_id
 from tests.integration.test_jobs_end_to_end import read_run, write_job
 
@@ -70,6 +75,56 @@ def test_a_run_submitted_behind_a_full_page_with_the_earliest_deadline_starts_fi
             state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.SCHEDULED]))))
     assert still_waiting == BACKLOG  # the worker's one GPU went to the urgent run
     assert not (tmp_path / "relaxed" / "out").exists()
+
+
+def test_a_poll_evaluates_again_only_the_runs_that_changed(prefect_server, tmp_path: Path, pool):
+    job = write_job(tmp_path / "relaxed", """
+        name: relaxed
+        work: {flow: flow.py:mark}
+        request: {gpus: 1, max_duration: 10m, deadline: +8h}
+        """, flow=FLOW)
+    submitted = cli("e31", "submit", str(job), "--pool", pool)
+    assert submitted.returncode == 0, submitted.stderr
+    with get_client(sync_client=True) as client:
+        deployment_id = client.read_flow_run(flow_run_id(submitted.stdout)).deployment_id
+        ids = [flow_run_id(submitted.stdout)] + [client.create_flow_run_from_deployment(deployment_id).id
+                                                 for _ in range(4)]
+    wait_until_late(ids)  # Prefect marks due runs Late once: a change of state, so wait for it first
+
+    async def polls() -> list[list[UUID]]:
+        async with E31Worker(work_pool_name=pool) as worker:
+            evaluated: list[UUID] = []
+            evaluate = worker._evaluate
+
+            async def counting(flow_run, deployment):
+                evaluated.append(flow_run.id)
+                return await evaluate(flow_run, deployment)
+
+            worker._evaluate = counting
+            rounds = []
+            for change in (None, None, ids[2]):
+                if change is not None:
+                    await worker.client.set_flow_run_state(change, Scheduled(), force=True)
+                evaluated.clear()
+                waiting = await worker.read_waiting()
+                assert set(waiting) == set(ids)
+                rounds.append(list(evaluated))
+            return rounds
+
+    first, unchanged, one_changed = asyncio.run(polls())
+    assert sorted(first) == sorted(ids)
+    assert unchanged == []
+    assert one_changed == [ids[2]]
+
+
+def wait_until_late(ids: list[UUID], timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    with get_client(sync_client=True) as client:
+        while time.monotonic() < deadline:
+            if all(client.read_flow_run(run_id).state.name == "Late" for run_id in ids):
+                return
+            time.sleep(1)
+    raise AssertionError("Prefect never marked the runs Late")
 
 
 def test_queue_lists_every_waiting_run_with_its_planned_start_and_whether_it_meets_its_deadline(
