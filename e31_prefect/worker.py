@@ -44,6 +44,7 @@ from e31_prefect.job import JOB_VARIABLE_KEYS, Job, Problem, anchor, code_root, 
 from e31_prefect.ledger import Holding, Ledger, RunFolder, this_process
 from e31_prefect.life import JobLife, infrastructure_id, parse_infrastructure_id, scheduled_start
 from e31_prefect.meter import Meter
+from e31_prefect.run_states import RunStates, read_states
 from e31_prefect.runtimes import container as containers
 from e31_prefect.scheduling import Busy, WaitingQueue, WaitingRun, decide
 from e31_prefect.settings import E31Settings
@@ -225,6 +226,9 @@ class E31Worker(DockerWorker):
         self.meters: dict[UUID, Meter] = {}  # the meters of runs in progress (and, for `e31 run`, its own)
         self.ledger = Ledger(self.settings.home.expanduser() / "ledger")
         self._living: set[UUID] = set()
+        # Every living run's state in one read per watch interval (cancellation requests), not one per run.
+        self.run_states = RunStates(lambda ids: read_states(self.client, ids), lambda: self._living,
+                                    self.settings.watch_seconds)
         # When each run holding devices here must have let them go (its time limit), for backfill.
         self.holds_until: dict[UUID, datetime] = {}
         # The pool's waiting runs in order of urgency, kept across polls so a decision never sorts.
