@@ -3,6 +3,7 @@
     e31 run deployments/jobs/retrain.yaml --now   # submit, run it here, print state, outputs, meter
     e31 submit job.yaml                           # schedule it; a worker runs it later
     e31 validate job.yaml                         # the normalized job, or its problems
+    e31 queue --pool gpu                          # every waiting run: planned start, finish, deadline met
     e31 blocks apply blocks/                      # create or update the blocks described in blocks/*.yaml
 
 With no ``PREFECT_API_URL`` set, a local Prefect server is started in the background.
@@ -56,6 +57,11 @@ def _parser() -> argparse.ArgumentParser:
     usage.add_argument("--by", choices=["team", "deployment", "pool", "day"], default="team")
     usage.add_argument("--format", choices=["table", "csv", "json"], default="table")
     usage.set_defaults(handler=_usage)
+
+    queue = commands.add_parser("queue", help="every waiting run of a pool with its planned start and finish "
+                                "and whether it meets its deadline (like squeue --start)")
+    queue.add_argument("--pool", default="e31", help="e31 work pool (default: e31)")
+    queue.set_defaults(handler=_queue)
 
     quota = commands.add_parser("quota", help="GPUs a team (or with --pool, a pool) may hold at once")
     quota_actions = quota.add_subparsers(required=True, metavar="ACTION")
@@ -132,6 +138,14 @@ def _usage(args: argparse.Namespace) -> int:
     since = args.since or until - timedelta(days=7)
     runs = asyncio.run(_read_usage(since, until))
     print(usage.render(usage.summarize(runs, args.by), args.by, args.format))
+    return 0
+
+
+def _queue(args: argparse.Namespace) -> int:
+    from e31_prefect.forecast import forecast
+
+    _connect()
+    print(asyncio.run(forecast(args.pool)))
     return 0
 
 

@@ -445,7 +445,7 @@ class JobLife:
                     await self._keep_slots()
                     renewed = now()
             with contextlib.suppress(Exception):
-                state = (await self.worker.client.read_flow_run(self.run_id)).state
+                state = await self.worker.run_states.state(self.run_id)  # one read for all runs here
                 if state is not None and state.is_cancelling():
                     self.log.info("Cancellation requested: stopping the run")
                     supervisor.stop()

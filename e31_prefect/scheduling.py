@@ -311,6 +311,54 @@ def _earliest(models: list[_Model], run: WaitingRun, length: float,
     return best
 
 
+@dataclass(frozen=True)
+class Planned:
+    """When a waiting run is planned to start and finish; None: it fits no host (or its deadline has passed)."""
+
+    run: WaitingRun
+    start: datetime | None
+    finish: datetime | None  # None also when its duration is unknown
+
+    @property
+    def meets_deadline(self) -> bool | None:
+        """Whether it starts by its latest start (so it finishes by its deadline); None: it has no deadline."""
+        if self.run.latest_start is None:
+            return None
+        return self.start is not None and self.start <= self.run.latest_start
+
+
+def plan(waiting: WaitingQueue | Iterable[WaitingRun], hosts: Sequence[tuple[Sequence[Device], Sequence[Busy]]],
+         now: datetime) -> list[Planned]:
+    """Every waiting run's planned start and finish over the pool's hosts (each: free devices, busy devices),
+    in order of urgency: :func:`decide`'s reservations with no depth limit, each run on the host where it
+    can start soonest (a run's devices are on one host). A run past its latest start is planned nowhere:
+    the next poll refuses it.
+    """
+    queue = waiting if isinstance(waiting, WaitingQueue) else WaitingQueue(waiting)
+    models = [_models(free, busy, now) for free, busy in hosts]
+    planned = []
+    for run in [*queue.gpuless, *queue]:
+        if run.latest_start is not None and run.latest_start < now:
+            planned.append(Planned(run, None, None))
+            continue
+        offset = 0.0
+        if run.gpus:
+            length = _seconds(run.duration)
+            best: tuple[_Model, float] | None = None
+            for host in models:
+                found = _earliest(host, run, length, math.inf)
+                if found is not None and (best is None or found[1] < best[1]):
+                    best = found
+            if best is None:
+                planned.append(Planned(run, None, None))
+                continue
+            model, offset = best
+            model.hold(run.gpus, offset, length)
+        start = now + timedelta(seconds=offset)
+        planned.append(Planned(run, start, None if run.duration is None else start + run.duration))
+    return planned
+
+
 # -- replaying a trace ---------------------------------------------------------------------------
 
 

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import socket
-from datetime import datetime, timezone
+from dataclasses import replace
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
@@ -35,13 +37,14 @@ from prefect.workers.base import BaseVariables, BaseWorkerResult
 from prefect_docker.worker import DockerWorker, DockerWorkerJobConfiguration
 from pydantic import Field, PrivateAttr, create_model
 
-from e31_prefect import endings, quotas, reporting, timing
+from e31_prefect import backlog, endings, inventories, quotas, reporting, timing
 from e31_prefect.blocks import E31Storage
 from e31_prefect.inventory import Inventory, discover
 from e31_prefect.job import JOB_VARIABLE_KEYS, Job, Problem, anchor, code_root, job_name
 from e31_prefect.ledger import Holding, Ledger, RunFolder, this_process
 from e31_prefect.life import JobLife, infrastructure_id, parse_infrastructure_id, scheduled_start
 from e31_prefect.meter import Meter
+from e31_prefect.run_states import RunStates, read_states
 from e31_prefect.runtimes import container as containers
 from e31_prefect.scheduling import Busy, WaitingQueue, WaitingRun, decide
 from e31_prefect.settings import E31Settings
@@ -49,7 +52,7 @@ from e31_prefect.supervision import Supervisor
 
 if TYPE_CHECKING:
     from prefect.client.schemas.objects import Flow as APIFlow
-    from prefect.client.schemas.objects import WorkPool
+    from prefect.client.schemas.objects import WorkPool, WorkQueue
     from prefect.client.schemas.responses import DeploymentResponse, WorkerFlowRunResponse
 
 
@@ -228,10 +231,15 @@ class E31Worker(DockerWorker):
         self.meters: dict[UUID, Meter] = {}  # the meters of runs in progress (and, for `e31 run`, its own)
         self.ledger = Ledger(self.settings.home.expanduser() / "ledger")
         self._living: set[UUID] = set()
+        # Every living run's state in one read per watch interval (cancellation requests), not one per run.
+        self.run_states = RunStates(lambda ids: read_states(self.client, ids), lambda: self._living,
+                                    self.settings.watch_seconds)
         # When each run holding devices here must have let them go (its time limit), for backfill.
         self.holds_until: dict[UUID, datetime] = {}
         # The pool's waiting runs in order of urgency, kept across polls so a decision never sorts.
         self.queue = WaitingQueue()
+        # Each waiting run as evaluated (templated, parsed, deadline resolved), kept until it changes.
+        self.evaluations: backlog.Evaluations[tuple[WaitingRun, str, str | None]] = backlog.Evaluations()
         # `e31 run` drives a worker for its own run only; `prefect worker start` takes the whole pool.
         self._only_flow_run_ids = only_flow_run_ids
         self._stopping = False
@@ -286,6 +294,25 @@ class E31Worker(DockerWorker):
     async def _sync_and_initialize(self) -> None:
         await super()._sync_and_initialize()
         self.adopt_orphans()  # a worker sharing this host's ledger may have died since
+        await self.publish_inventory()
+
+    async def publish_inventory(self) -> None:
+        """Publish this worker's devices and their holds for ``e31 queue`` (:mod:`e31_prefect.inventories`),
+        on each heartbeat. Only a pool's worker publishes: ``e31 run`` and ``@e31`` serve one run."""
+        if not self._serving or self._work_pool is None:
+            return
+        free = set(self.inventory.free())
+        holds: dict[Any, datetime | None] = {device: self.holds_until.get(holder)
+                                             for device, holder in self.inventory.holders().items()}
+        for device in self.inventory.devices:
+            if device not in free and device not in holds:
+                holds[device] = None  # held by another process on this host, end unknown
+        value = inventories.describe(self._work_pool_name, self.name, socket.gethostname(),
+                                     self.inventory.devices, holds)
+        try:
+            await inventories.publish(self.client, self._work_pool_name, self.name, value)
+        except Exception as exc:  # only `e31 queue` misses it; the worker works without
+            self._logger.warning("Could not publish this worker's inventory for `e31 queue`: %s", exc)
 
     def adopt_orphans(self) -> list[str]:
         """Adopt every run in this host's ledger that no live worker owns; returns their ids.
@@ -332,14 +359,15 @@ class E31Worker(DockerWorker):
             return []
 
     async def _poll(self) -> list[FlowRun]:
-        responses = await self._get_scheduled_flow_runs()
+        queues = await self._pool_queues()
+        responses = await self._backlog(queues)
         self._last_polled_time = datetime.now(timezone.utc)
         responses = [r for r in responses if r.flow_run.id not in self._submitting_flow_run_ids
                      and (self._only_flow_run_ids is None or r.flow_run.id in self._only_flow_run_ids)]
         if not responses:
             return []
         by_id = {r.flow_run.id: r for r in responses}
-        waiting = await self._waiting_runs([r.flow_run for r in responses])
+        waiting = await self._waiting_runs([r.flow_run for r in responses], queues)
         now = datetime.now(timezone.utc)
         busy = [Busy(device, self.holds_until.get(holder))
                 for device, holder in self.inventory.holders().items()]
@@ -359,10 +387,37 @@ class E31Worker(DockerWorker):
                 self.return_devices(response.flow_run.id)
         return [response.flow_run for response in chosen if response.flow_run.id in submitted]
 
-    async def _waiting_runs(self, flow_runs: list[FlowRun]) -> dict[UUID, tuple[WaitingRun, str, str | None]]:
-        """Each scheduled run as the scheduler sees it, with its job's name and team."""
+    async def read_waiting(self) -> dict[UUID, tuple[WaitingRun, str, str]]:
+        """Every due run of the pool, evaluated as a poll evaluates it, with its flow run's and job's names
+        (``e31 queue``). Reads the pool without a heartbeat: the reader is not a worker of the pool."""
+        self._work_pool = await self.client.read_work_pool(self._work_pool_name)
+        queues = await self._pool_queues()
+        responses = await self._backlog(queues)
+        waiting = await self._waiting_runs([r.flow_run for r in responses], queues)
+        return {r.flow_run.id: (waiting[r.flow_run.id][0], r.flow_run.name, waiting[r.flow_run.id][1])
+                for r in responses}
+
+    async def _backlog(self, queues: dict[UUID, WorkQueue] | None) -> list[WorkerFlowRunResponse]:
+        """Every due run of the pool's (or this worker's) work queues, page by page (:mod:`e31_prefect.backlog`).
+
+        Without the pool's queues (their read failed) it is Prefect's own single page, as a stock worker reads.
+        """
+        if queues is None and not self._work_queues:
+            return await self._get_scheduled_flow_runs()
+        names = sorted(self._work_queues) if self._work_queues else [queue.name for queue in queues.values()]
+        due_by = datetime.now(timezone.utc) + timedelta(seconds=int(self._prefetch_seconds))
+        return await backlog.read_backlog(self.client, self._work_pool_name, names, due_by)
+
+    async def _waiting_runs(self, flow_runs: list[FlowRun], queues: dict[UUID, WorkQueue] | None = None,
+                            ) -> dict[UUID, tuple[WaitingRun, str, str | None]]:
+        """Each scheduled run as the scheduler sees it, with its job's name and team.
+
+        A run is templated and parsed once and kept (:attr:`evaluations`) until it, its deployment or
+        the pool's template changes; its work queue's priority is applied on every poll.
+        """
         deployments: dict[UUID, DeploymentResponse | None] = {}
-        queues = await self._queue_priorities()
+        priorities = {queue_id: queue.priority for queue_id, queue in (queues or {}).items()}
+        template = json.dumps(self.work_pool.base_job_template, sort_keys=True, default=str)
         waiting = {}
         for flow_run in flow_runs:
             if flow_run.deployment_id and flow_run.deployment_id not in deployments:
@@ -371,30 +426,43 @@ class E31Worker(DockerWorker):
                 except ObjectNotFound:
                     deployments[flow_run.deployment_id] = None
             deployment = deployments.get(flow_run.deployment_id) if flow_run.deployment_id else None
-            name = deployment.name if deployment else flow_run.name
-            try:
-                run, team = await self._waiting_run(flow_run, deployment, name,
-                                                    queues.get(flow_run.work_queue_id, LOWEST_QUEUE_PRIORITY))
-            except Exception as exc:
-                # Whatever this run carries (a job variable of the wrong shape, a date out of any
-                # range), it is taken at once, on no device, so that its life fails it with the reason.
-                self._logger.warning("Flow run %s cannot be read as a job (%s: %s); it is taken to fail",
-                                     flow_run.id, type(exc).__name__, exc)
-                run, team = WaitingRun(flow_run.id, 0, None, scheduled_start(flow_run)), None
-            waiting[flow_run.id] = (run, name, team)
+            version = (flow_run.updated, flow_run.state_id, flow_run.work_queue_id,
+                       deployment.updated if deployment else None, template)
+            evaluated = self.evaluations.get(flow_run.id, version)
+            if evaluated is None:
+                evaluated = await self._evaluate(flow_run, deployment)
+                self.evaluations.keep(flow_run.id, version, evaluated)
+            run, name, team = evaluated
+            queue_priority = priorities.get(flow_run.work_queue_id, LOWEST_QUEUE_PRIORITY)
+            waiting[flow_run.id] = (replace(run, queue_priority=queue_priority), name, team)
+        self.evaluations.retain(waiting)
         return waiting
 
-    async def _queue_priorities(self) -> dict[UUID, int]:
-        """Each work queue of the pool and its priority (1 first), read once per poll."""
+    async def _evaluate(self, flow_run: FlowRun, deployment: DeploymentResponse | None,
+                        ) -> tuple[WaitingRun, str, str | None]:
+        name = deployment.name if deployment else flow_run.name
         try:
-            return {queue.id: queue.priority for queue in
-                    await self.client.read_work_queues(work_pool_name=self._work_pool_name)}
+            run, team = await self._waiting_run(flow_run, deployment, name)
+        except Exception as exc:
+            # Whatever this run carries (a job variable of the wrong shape, a date out of any
+            # range), it is taken at once, on no device, so that its life fails it with the reason.
+            self._logger.warning("Flow run %s cannot be read as a job (%s: %s); it is taken to fail",
+                                 flow_run.id, type(exc).__name__, exc)
+            run, team = WaitingRun(flow_run.id, 0, None, scheduled_start(flow_run)), None
+        return run, name, team
+
+    async def _pool_queues(self) -> dict[UUID, WorkQueue] | None:
+        """The pool's work queues by id (their priorities order runs, 1 first), read once per poll;
+        None if they cannot be read now."""
+        try:
+            return {queue.id: queue for queue in await self.client.read_work_queues(
+                work_pool_name=self._work_pool_name)}
         except Exception as exc:
             self._logger.warning("Could not read the pool's work queues (%s); their priorities are ignored", exc)
-            return {}
+            return None
 
-    async def _waiting_run(self, flow_run: FlowRun, deployment: DeploymentResponse | None, name: str,
-                           queue_priority: int = 0) -> tuple[WaitingRun, str | None]:
+    async def _waiting_run(self, flow_run: FlowRun, deployment: DeploymentResponse | None,
+                           name: str) -> tuple[WaitingRun, str | None]:
         scheduled = scheduled_start(flow_run)
         values = {**(deployment.job_variables if deployment else {}), **(flow_run.job_variables or {})}
         configuration = await self.job_configuration.from_template_and_values(
@@ -409,7 +477,6 @@ class E31Worker(DockerWorker):
             latest_start=timing.latest_start(deadline, job.admission_duration),
             priority=job.request.priority,
             duration=job.request.time_limit or job.expected_duration,
-            queue_priority=queue_priority,
         ), quotas.team_by_queue(self.settings.queue_teams, flow_run.work_queue_name, job.team)
 
     async def _refuse_missed(self, flow_run: FlowRun, job_name: str, team: str | None, latest: datetime | None,

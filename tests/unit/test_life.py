@@ -28,6 +28,7 @@ from e31_prefect.inventory import Device, Inventory
 from e31_prefect.job import Job, JobError, parse_job
 from e31_prefect.ledger import Ledger, Record, Spec
 from e31_prefect.life import Ends, JobLife, judge
+from e31_prefect.run_states import RunStates
 from e31_prefect.runtimes import Placement
 from e31_prefect.settings import E31Settings
 
@@ -113,6 +114,10 @@ class FakeWorker:
         self.client = FakeClient(quota)
         self.meters: dict[UUID, Any] = {}
         self.holds_until: dict[UUID, datetime] = {}
+        self.run_states = RunStates(self._read_states, lambda: [], self.settings.watch_seconds)
+
+    async def _read_states(self, ids: list[UUID]) -> dict[UUID, Any]:
+        return {run_id: (await self.client.read_flow_run(run_id)).state for run_id in ids}
 
     def get_flow_run_logger(self, flow_run: Any) -> logging.Logger:
         return logging.getLogger("e31.test")

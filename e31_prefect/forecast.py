@@ -1,0 +1,67 @@
+"""When will my job start? Every waiting run of a pool with its planned start and finish: ``e31 queue``.
+
+    e31 queue --pool gpu
+
+Like Slurm's ``squeue --start``. The waiting runs are read and evaluated exactly as a worker of the
+pool reads them (:mod:`e31_prefect.backlog`, the worker's own evaluation), and planned with
+:func:`e31_prefect.scheduling.plan` (the worker's order and reservations) over the devices and holds
+the pool's ONLINE workers last published (:mod:`e31_prefect.inventories`, one Prefect variable
+per worker, written on each heartbeat). :func:`rows` is pure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from datetime import datetime, timezone
+from typing import Any
+from uuid import UUID
+
+from e31_prefect import inventories
+from e31_prefect.inventories import HostInventory
+from e31_prefect.scheduling import Planned, plan
+
+COLUMNS = ("RUN", "JOB", "GPUS", "PLANNED START", "PLANNED FINISH", "LATEST START", "MEETS DEADLINE")
+
+
+def _when(moment: datetime | None, never: str) -> str:
+    return moment.astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ") if moment else never
+
+
+def rows(planned: Sequence[Planned], names: Mapping[Any, tuple[str, str]], now: datetime) -> list[tuple[str, ...]]:
+    """The table's rows, in order of planned start (runs that fit nowhere last); ``names`` gives each run's
+    flow-run name and job name. A run with no start fits no live worker, or is past its latest start."""
+    ordered = sorted(planned, key=lambda p: (p.start is None, p.start or datetime.max.replace(tzinfo=timezone.utc)))
+    table = []
+    for entry in ordered:
+        run_name, job = names.get(entry.run.id, (str(entry.run.id), "?"))
+        meets = {None: "-", True: "yes", False: "no"}[entry.meets_deadline]
+        past = entry.run.latest_start is not None and entry.run.latest_start < now
+        table.append((run_name, job, str(entry.run.gpus),
+                      _when(entry.start, "deadline missed" if past else "never"),
+                      _when(entry.finish, "-" if entry.start else "never"),
+                      _when(entry.run.latest_start, "-"), meets))
+    return table
+
+
+def render(table: Sequence[tuple[str, ...]], hosts: Sequence[HostInventory]) -> str:
+    """The table as text, under one line on the pool's live devices."""
+    devices = sum(len(h.free) + len(h.busy) for h in hosts)
+    free = sum(len(h.free) for h in hosts)
+    lines = [f"{len(hosts)} live worker(s), {devices} GPU(s), {free} free now; {len(table)} waiting run(s)"]
+    widths = [max(len(str(row[i])) for row in [COLUMNS, *table]) for i in range(len(COLUMNS))]
+    for row in [COLUMNS, *table]:
+        lines.append("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
+    return "\n".join(lines)
+
+
+async def forecast(pool: str) -> str:
+    """Read the pool's waiting runs and live inventories, plan them, and render the table."""
+    from e31_prefect.worker import E31Worker
+
+    async with E31Worker(work_pool_name=pool) as worker:
+        waiting = await worker.read_waiting()
+        hosts = await inventories.read(worker.client, pool)
+    now = datetime.now(timezone.utc)
+    names: dict[UUID, tuple[str, str]] = {run_id: (run_name, job) for run_id, (_, run_name, job) in waiting.items()}
+    planned = plan([run for run, _, _ in waiting.values()], [(h.free, h.busy) for h in hosts], now)
+    return render(rows(planned, names, now), hosts)

@@ -1,0 +1,158 @@
+"""A backlog bigger than Prefect's page: the worker ranks every waiting run, not the first 200.
+
+Runs the real ``e31 submit`` and ``prefect worker start --run-once`` against a real Prefect server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from datetime import datetime, timedelta
+from pathlib import Path
+from uuid import UUID
+
+import pytest
+from prefect import get_client
+from prefect.client.schemas.filters import (
+    FlowRunFilter,
+    FlowRunFilterDeploymentId,
+    FlowRunFilterState,
+    FlowRunFilterStateType,
+)
+from prefect.client.schemas.objects import StateType
+from prefect.states import Scheduled
+
+from e31_prefect.worker import E31Worker
+from tests.integration.conftest import cli, flow_run_id
+from tests.integration.test_jobs_end_to_end import read_run, write_job
+
+pytestmark = pytest.mark.integration
+
+BACKLOG = 250  # more than the server's page (PREFECT_SERVER_API_DEFAULT_LIMIT, 200)
+
+FLOW = """
+    from prefect import flow
+    from e31_prefect import output_dir
+
+    @flow
+    def mark():
+        (output_dir() / "ran").write_text("yes")
+    """
+
+
+def test_a_run_submitted_behind_a_full_page_with_the_earliest_deadline_starts_first(prefect_server, tmp_path: Path,
+                                                                                      pool):
+    relaxed = write_job(tmp_path / "relaxed", """
+        name: relaxed
+        work: {flow: flow.py:mark}
+        request: {gpus: 1, max_duration: 10m, deadline: +8h}
+        output: {to: ./out/}
+        """, flow=FLOW)
+    urgent = write_job(tmp_path / "urgent", """
+        name: urgent
+        work: {flow: flow.py:mark}
+        request: {gpus: 1, max_duration: 10m, deadline: +30m}
+        output: {to: ./out/}
+        """, flow=FLOW)
+    submitted = cli("e31", "submit", str(relaxed), "--pool", pool)
+    assert submitted.returncode == 0, submitted.stderr
+    with get_client(sync_client=True) as client:
+        deployment_id = client.read_flow_run(flow_run_id(submitted.stdout)).deployment_id
+        for _ in range(BACKLOG - 1):  # the rest of the batch, as `prefect deployment run` makes them
+            client.create_flow_run_from_deployment(deployment_id)
+    submitted = cli("e31", "submit", str(urgent), "--pool", pool)  # last: behind the whole page
+    assert submitted.returncode == 0, submitted.stderr
+    urgent_id = flow_run_id(submitted.stdout)
+
+    worker = cli("prefect", "worker", "start", "--pool", pool, "--type", "e31", "--run-once", gpus="1xH100")
+
+    assert worker.returncode == 0, worker.stdout + worker.stderr
+    assert read_run(urgent_id).state.is_completed()
+    assert (tmp_path / "urgent" / "out" / "ran").exists()
+    with get_client(sync_client=True) as client:
+        still_waiting = client.count_flow_runs(flow_run_filter=FlowRunFilter(
+            deployment_id=FlowRunFilterDeploymentId(any_=[deployment_id]),
+            state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.SCHEDULED]))))
+    assert still_waiting == BACKLOG  # the worker's one GPU went to the urgent run
+    assert not (tmp_path / "relaxed" / "out").exists()
+
+
+def test_a_poll_evaluates_again_only_the_runs_that_changed(prefect_server, tmp_path: Path, pool):
+    job = write_job(tmp_path / "relaxed", """
+        name: relaxed
+        work: {flow: flow.py:mark}
+        request: {gpus: 1, max_duration: 10m, deadline: +8h}
+        """, flow=FLOW)
+    submitted = cli("e31", "submit", str(job), "--pool", pool)
+    assert submitted.returncode == 0, submitted.stderr
+    with get_client(sync_client=True) as client:
+        deployment_id = client.read_flow_run(flow_run_id(submitted.stdout)).deployment_id
+        ids = [flow_run_id(submitted.stdout)] + [client.create_flow_run_from_deployment(deployment_id).id
+                                                 for _ in range(4)]
+    wait_until_late(ids)  # Prefect marks due runs Late once: a change of state, so wait for it first
+
+    async def polls() -> list[list[UUID]]:
+        async with E31Worker(work_pool_name=pool) as worker:
+            evaluated: list[UUID] = []
+            evaluate = worker._evaluate
+
+            async def counting(flow_run, deployment):
+                evaluated.append(flow_run.id)
+                return await evaluate(flow_run, deployment)
+
+            worker._evaluate = counting
+            rounds = []
+            for change in (None, None, ids[2]):
+                if change is not None:
+                    await worker.client.set_flow_run_state(change, Scheduled(), force=True)
+                evaluated.clear()
+                waiting = await worker.read_waiting()
+                assert set(waiting) == set(ids)
+                rounds.append(list(evaluated))
+            return rounds
+
+    first, unchanged, one_changed = asyncio.run(polls())
+    assert sorted(first) == sorted(ids)
+    assert unchanged == []
+    assert one_changed == [ids[2]]
+
+
+def wait_until_late(ids: list[UUID], timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    with get_client(sync_client=True) as client:
+        while time.monotonic() < deadline:
+            if all(client.read_flow_run(run_id).state.name == "Late" for run_id in ids):
+                return
+            time.sleep(1)
+    raise AssertionError("Prefect never marked the runs Late")
+
+
+def test_queue_lists_every_waiting_run_with_its_planned_start_and_whether_it_meets_its_deadline(
+        prefect_server, tmp_path: Path, pool):
+    # A worker with one H100 comes online, publishes its inventory, finds nothing due and exits; it counts as
+    # live for three heartbeat intervals, as Prefect says of any worker.
+    worker = cli("prefect", "worker", "start", "--pool", pool, "--type", "e31", "--run-once", gpus="1xH100",
+                 env={"PREFECT_WORKER_HEARTBEAT_SECONDS": "600"})
+    assert worker.returncode == 0, worker.stdout + worker.stderr
+    for name, deadline in (("third", "+8h"), ("second", "+105m"), ("first", "+90m")):
+        job = write_job(tmp_path / name, f"""
+            name: {name}
+            work: {{flow: flow.py:mark}}
+            request: {{gpus: 1, max_duration: 1h, deadline: "{deadline}"}}
+            output: {{to: ./out/}}
+            """, flow=FLOW)
+        submitted = cli("e31", "submit", str(job), "--pool", pool)
+        assert submitted.returncode == 0, submitted.stderr
+
+    shown = cli("e31", "queue", "--pool", pool)
+
+    assert shown.returncode == 0, shown.stdout + shown.stderr
+    lines = shown.stdout.splitlines()
+    assert lines[0] == "1 live worker(s), 1 GPU(s), 1 free now; 3 waiting run(s)", shown.stdout
+    rows = [line.split() for line in lines[2:]]
+    # [run, job, gpus, start date, start time, finish date, finish time, latest date, latest time, meets]
+    assert [(row[1], row[-1]) for row in rows] == [("first", "yes"), ("second", "no"), ("third", "yes")]
+    first = rows[0]
+    assert (datetime.fromisoformat(f"{first[5]}T{first[6]}") - datetime.fromisoformat(f"{first[3]}T{first[4]}")
+            == timedelta(hours=1))
+    assert rows[1][3:5] == first[5:7]  # the second waits for the first's hour on the one GPU
