@@ -133,6 +133,18 @@ def append_line(path: Path, data: Any) -> None:
         os.close(fd)
 
 
+def output_tail(path: Path, lines: int = 5, limit: int = 800) -> str:
+    """The last lines a work wrote to its log, read from its end (a log may hold gigabytes), for a
+    message about how it ended."""
+    try:
+        with open(path, "rb") as log:
+            log.seek(max(0, log.seek(0, os.SEEK_END) - 8192))
+            text = log.read().decode(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.strip().splitlines()[-lines:])[-limit:]
+
+
 def write_json(path: Path, data: Any, mode: int = 0o644) -> None:
     """Replace ``path`` with ``data`` as JSON, atomically and durably."""
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")

@@ -39,7 +39,7 @@ from e31_prefect.command_flow import COMMAND_FLOW_ENTRYPOINT
 from e31_prefect.endings import Ending
 from e31_prefect.inventory import Device, pick_devices
 from e31_prefect.job import Job, JobError
-from e31_prefect.ledger import Holding, Record, RunFolder, now, this_process
+from e31_prefect.ledger import Holding, Record, RunFolder, now, output_tail, this_process
 from e31_prefect.meter import Meter, work_end
 from e31_prefect.runtimes import Placement, Runtime, runtime_for
 from e31_prefect.staging import (
@@ -71,17 +71,6 @@ class Ends(Exception):
     def __init__(self, ending: Ending):
         super().__init__(ending.message)
         self.ending = ending
-
-
-def output_tail(path: Path, lines: int = 5, limit: int = 800) -> str:
-    """The last lines the work wrote (its output log), for a message about how it died."""
-    try:
-        with open(path, "rb") as log:
-            log.seek(max(0, log.seek(0, os.SEEK_END) - 8192))
-            text = log.read().decode(errors="replace")
-    except OSError:
-        return ""
-    return "\n".join(text.strip().splitlines()[-lines:])[-limit:]
 
 
 def judge(record: Record | None, flow_state: State | None, died: Ending, job: Job, tail: str = "") -> Ending | None:

@@ -10,7 +10,6 @@ printed nothing).
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import threading
@@ -18,6 +17,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+from e31_prefect.ledger import output_tail
 from e31_prefect.shards import Progress, Schedule, ShardSettings, shard_environment, shard_folder, slots
 
 SHARD_LOG = "shard.log"
@@ -36,17 +36,6 @@ def program(command: Sequence[str]) -> list[str]:
 def job_devices(env: Mapping[str, str]) -> list[str]:
     """The job's devices, as its ``CUDA_VISIBLE_DEVICES`` names them (the worker set it to the rented ones)."""
     return [entry for entry in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if entry.strip()]
-
-
-def last_lines(path: Path, lines: int = 5, limit: int = 800) -> str:
-    """The last lines of a shard's log, read from its end (a shard may have written gigabytes)."""
-    try:
-        with open(path, "rb") as log:
-            log.seek(max(0, log.seek(0, os.SEEK_END) - 8192))
-            text = log.read().decode(errors="replace")
-    except OSError:
-        return ""
-    return "\n".join(text.strip().splitlines()[-lines:])[-limit:]
 
 
 def run_shards(command: Sequence[str], settings: ShardSettings, env: Mapping[str, str], output_dir: Path,
@@ -84,7 +73,7 @@ def run_shards(command: Sequence[str], settings: ShardSettings, env: Mapping[str
             except OSError as exc:  # a program that does not exist fails its shard, as a shell's 127 would
                 log.write(f"e31: cannot start {argv[0]}: {exc.strerror or exc}\n".encode())
                 code = 127
-        tail = last_lines(log_path) if code else ""
+        tail = output_tail(log_path) if code else ""
         if log_path.stat().st_size == 0:
             log_path.unlink()  # a shard that said nothing leaves no log: ten thousand empty files help no one
         return code, tail

@@ -375,7 +375,7 @@ def test_judge_says_what_a_user_needs_to_act():
 
 
 def test_the_tail_of_the_works_output_is_its_last_lines(tmp_path):
-    from e31_prefect.life import output_tail
+    from e31_prefect.ledger import output_tail
 
     log = tmp_path / "output.log"
     log.write_text("".join(f"line {n}\n" for n in range(10_000)))
