@@ -18,6 +18,7 @@ import sys
 from collections.abc import Sequence
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
+from typing import Any
 from uuid import UUID
 
 from e31_prefect import meter as metering
@@ -268,10 +269,28 @@ def _connect() -> None:
 def _submit(args: argparse.Namespace) -> int:
     job, now = _load(args)
     _connect()
-    flow_run = asyncio.run(_submit_async(job, args, now))
+    flow_run, planned_start = asyncio.run(_submit_and_plan(job, args, now))
     print(f"Submitted flow run {flow_run.name!r} ({flow_run.id}) to pool {args.pool!r}")
     print(f"  {_ui_link(flow_run.id)}")
+    the_plan = plan(job, now, start_now=args.now)
+    if the_plan.latest_start:
+        print(f"  latest start: {the_plan.latest_start.astimezone(job.tz).isoformat(timespec='minutes')} "
+              "(to finish by its deadline)")
+    print(f"  {planned_start}")
     return 0
+
+
+async def _submit_and_plan(job: Job, args: argparse.Namespace, now: datetime) -> tuple[Any, str]:
+    """Submit the job, then say when the pool's plan starts it, as ``e31 queue`` would show it."""
+    from e31_prefect.forecast import planned_line, read_plan
+
+    flow_run = await _submit_async(job, args, now)
+    try:
+        planned, _, hosts, planned_at = await read_plan(args.pool)
+    except Exception as error:  # the run is submitted either way; only the forecast is missing
+        return flow_run, f"planned start: unknown ({type(error).__name__}: {error})"
+    scheduled = plan(job, now, start_now=args.now).start
+    return flow_run, planned_line(planned, flow_run.id, hosts, scheduled, planned_at)
 
 
 async def _submit_async(job: Job, args: argparse.Namespace, now: datetime):

@@ -54,8 +54,25 @@ def render(table: Sequence[tuple[str, ...]], hosts: Sequence[HostInventory]) -> 
     return "\n".join(lines)
 
 
-async def forecast(pool: str) -> str:
-    """Read the pool's waiting runs and live inventories, plan them, and render the table."""
+def planned_line(planned: Sequence[Planned], run_id: Any, hosts: Sequence[HostInventory], scheduled: datetime,
+                 now: datetime) -> str:
+    """What ``e31 submit`` says of when its run starts, from the pool's plan (``run_id`` may not be in it: a run
+    not yet due is planned when it is)."""
+    if scheduled > now:
+        return f"planned start: at its start, {_when(scheduled, '')}, or when GPUs free up after it"
+    entry = next((p for p in planned if p.run.id == run_id), None)
+    if entry is None or entry.start is None:
+        if entry is not None and entry.run.latest_start is not None and entry.run.latest_start < now:
+            return "planned start: never; its latest start has passed"
+        return (f"planned start: none yet; no live worker of the pool ({len(hosts)} live) has the GPUs it asks "
+                "for, so it waits for one (e31 queue shows the pool)")
+    ahead = sum(1 for p in planned if p.start is not None and p.start < entry.start)
+    return (f"planned start: {_when(entry.start, '')}, behind {ahead} run(s) on {len(hosts)} live worker(s) "
+            "(e31 queue shows the pool)")
+
+
+async def read_plan(pool: str) -> tuple[list[Planned], dict[UUID, tuple[str, str]], list[HostInventory], datetime]:
+    """The pool's waiting runs planned over its live inventories, their names, those inventories, and now."""
     from e31_prefect.worker import E31Worker
 
     async with E31Worker(work_pool_name=pool) as worker:
@@ -64,4 +81,10 @@ async def forecast(pool: str) -> str:
     now = datetime.now(timezone.utc)
     names: dict[UUID, tuple[str, str]] = {run_id: (run_name, job) for run_id, (_, run_name, job) in waiting.items()}
     planned = plan([run for run, _, _ in waiting.values()], [(h.free, h.busy) for h in hosts], now)
+    return planned, names, hosts, now
+
+
+async def forecast(pool: str) -> str:
+    """Read the pool's waiting runs and live inventories, plan them, and render the table."""
+    planned, names, hosts, now = await read_plan(pool)
     return render(rows(planned, names, now), hosts)

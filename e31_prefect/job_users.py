@@ -2,7 +2,7 @@
 
 Where the worker runs as root, a process job runs as a uid of its own (and the
 group of the same number; no account is needed), taken from :data:`JOB_UIDS` by
-a lock file in the host's lock folder, held by the run's supervisor for as long
+a lock file in :data:`LOCKS`, held by the run's supervisor for as long
 as the work lives. So a job cannot read the worker's or another job's
 ``/proc`` entries, the ledger, the spool, the cache, or another run's workspace:
 it owns only its output dir and its home, and its workspace and ledger folder
@@ -20,6 +20,9 @@ from pathlib import Path
 from e31_prefect.filelocks import try_lock
 
 JOB_UIDS = range(61000, 62000)  # far from the accounts distributions create (1000 and up, system below 1000)
+# A uid is the host's, whatever folder its workers lock devices in (two pools, or a test's "hosts", may
+# keep device locks apart): one folder per host, cleared at boot like the processes that held them.
+LOCKS = Path("/run/e31/job-users")
 
 
 @dataclass(frozen=True)
@@ -30,7 +33,7 @@ class JobUser:
     lock: int  # the open lock file; closing it (or the holder dying) frees the uid
 
 
-def claim(locks: Path, uids: range = JOB_UIDS) -> JobUser | None:
+def claim(locks: Path = LOCKS, uids: range = JOB_UIDS) -> JobUser | None:
     """The first uid of ``uids`` no running job holds (None: every one is taken)."""
     locks.mkdir(parents=True, exist_ok=True)
     for uid in uids:

@@ -7,6 +7,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# One build at a time (parallel test sessions each ask for the image at once); the others then reuse it.
+exec 9>"${TMPDIR:-/tmp}/e31-image.lock"
+flock 9
+
 inputs=$( (cat constraints.txt pyproject.toml docker/Dockerfile scripts/e31-image.sh;
            find e31_prefect -name '*.py' | sort | xargs cat) | sha256sum | cut -c1-12)
 tag="e31-prefect-job:$inputs"

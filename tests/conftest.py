@@ -28,3 +28,9 @@ os.environ["PREFECT_API_URL"] = f"http://127.0.0.1:{_free_port()}/api"
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ["PREFECT_LOGGING_LEVEL"] = "INFO"
 os.environ.pop("E31_GPUS", None)
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """``-n auto``: one test process per CPU, two at least (much of a test is waiting on a server, an engine
+    or a container) and four at most (each process starts its own Prefect server)."""
+    return max(2, min(4, os.cpu_count() or 1))

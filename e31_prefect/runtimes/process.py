@@ -14,8 +14,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from e31_prefect import endings
-from e31_prefect.job_users import JOB_UIDS
+from e31_prefect import endings, job_users
 from e31_prefect.ledger import Spec
 from e31_prefect.runtimes import (
     API_SOCKET_VARIABLE,
@@ -51,15 +50,16 @@ class ProcessRuntime:
             return None
         unreadable = await asyncio.to_thread(unreadable_to_jobs, needed_paths(self.configuration))
         if unreadable:
-            return (f"a job's own user (uid {JOB_UIDS[0]} and up) cannot read {', '.join(unreadable)}: make them "
-                    "readable to others (chmod o+rX on each folder down to them), or set E31_JOB_USERS=worker")
+            return (f"a job's own user (uid {job_users.JOB_UIDS[0]} and up) cannot read {', '.join(unreadable)}: "
+                    "make them readable to others (chmod o+rX on each folder down to them), "
+                    "or set E31_JOB_USERS=worker")
         return None
 
     def spec(self, placement: Placement) -> Spec:
         home = placement.workspace / "home"
         home.mkdir(parents=True, exist_ok=True)
         view = [*needed_paths(self.configuration), placement.workspace, placement.folder.path]
-        isolated = {"private_network": True, "job_user_locks": str(self.settings.device_locks),
+        isolated = {"private_network": True, "job_user_locks": str(job_users.LOCKS),
                     "job_writable": [str(placement.output_dir), str(home)],
                     "job_view": [str(path) for path in view]} if self.isolated else {}
         return placement.spec(

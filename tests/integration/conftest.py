@@ -9,7 +9,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from uuid import UUID
+from uuid import UUID, uuid4
 
 import httpx
 import pytest
@@ -31,11 +31,14 @@ def prefect_server() -> Iterator[str]:
     api_url = os.environ["PREFECT_API_URL"]
     port = api_url.rsplit(":", 1)[1].split("/")[0]
     log = Path(os.environ["PREFECT_HOME"]).parent / "server.log"
+    # CI (E31_TEST_DATABASE=postgres) runs the server on PostgreSQL, as a pool of many workers has it.
+    database = f"e31_tests_{uuid4().hex[:12]}" if os.environ.get("E31_TEST_DATABASE") == "postgres" else ""
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("wb") as out:
         server = subprocess.Popen(
             [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", port],
-            stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, **database_url(database)}, stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
@@ -53,6 +56,20 @@ def prefect_server() -> Iterator[str]:
     yield api_url
     os.killpg(server.pid, 15)
     server.wait(timeout=30)
+    if database:
+        subprocess.run([str(REPO / "scripts" / "postgres.sh"), database, "drop"], capture_output=True)
+
+
+def database_url(database: str) -> dict[str, str]:
+    """The server's setting for a fresh PostgreSQL database of this name (scripts/postgres.sh); none for ""
+    (SQLite in its PREFECT_HOME)."""
+    if not database:
+        return {}
+    printed = subprocess.run([str(REPO / "scripts" / "postgres.sh"), database], capture_output=True, text=True)
+    if printed.returncode != 0:
+        pytest.fail(f"scripts/postgres.sh failed:\n{printed.stderr[-3000:]}")
+    name, _, url = printed.stdout.strip().removeprefix("export ").partition("=")
+    return {name: url}
 
 
 @pytest.fixture

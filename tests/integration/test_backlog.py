@@ -143,6 +143,9 @@ def test_queue_lists_every_waiting_run_with_its_planned_start_and_whether_it_mee
             """, flow=FLOW)
         submitted = cli("e31", "submit", str(job), "--pool", pool)
         assert submitted.returncode == 0, submitted.stderr
+    # The last one submitted has the earliest deadline: e31 submit says it goes first, and by when it must.
+    assert "  latest start: " in submitted.stdout, submitted.stdout
+    assert "  planned start: " in submitted.stdout and "behind 0 run(s) on 1 live worker(s)" in submitted.stdout
 
     shown = cli("e31", "queue", "--pool", pool)
 

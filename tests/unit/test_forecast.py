@@ -9,7 +9,8 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from e31_prefect import inventories
-from e31_prefect.forecast import rows
+from e31_prefect.forecast import planned_line, rows
+from e31_prefect.inventories import HostInventory
 from e31_prefect.inventory import Device
 from e31_prefect.scheduling import Busy, WaitingRun, decide, plan
 
@@ -80,3 +81,24 @@ def test_each_worker_of_each_pool_has_its_own_variable_with_a_name_prefect_accep
     names = {inventories.variable_name(pool, worker) for pool in ("gpu", "cpu") for worker in ("E31Worker a", "b")}
     assert len(names) == 4
     assert all(name.replace("_", "").isalnum() and name.islower() for name in names)
+
+
+HOST = HostInventory("w1", "gpu-host-1", h100s(1), [])
+
+
+def test_submit_says_when_its_run_starts_and_how_many_runs_are_ahead_of_it():
+    planned = plan([run("mine", latest=8), run("urgent", latest=0.5), run("other", latest=4)], [(HOST.free, [])], NOW)
+    assert planned_line(planned, "mine", [HOST], NOW, NOW) == (
+        "planned start: 2026-12-04 00:00:00Z, behind 2 run(s) on 1 live worker(s) (e31 queue shows the pool)")
+
+
+def test_submit_says_a_run_for_later_starts_at_its_start_and_one_that_fits_no_worker_waits_for_one():
+    assert planned_line([], "mine", [HOST], NOW + 3 * HOUR, NOW) == (
+        "planned start: at its start, 2026-12-04 01:00:00Z, or when GPUs free up after it")
+    planned = plan([run("mine", gpus=2)], [(HOST.free, [])], NOW)
+    assert planned_line(planned, "mine", [HOST], NOW, NOW).startswith(
+        "planned start: none yet; no live worker of the pool (1 live) has the GPUs it asks for")
+    assert planned_line([], "mine", [], NOW, NOW).startswith("planned start: none yet; no live worker of the pool (0")
+    late = plan([run("mine", latest=-1)], [(HOST.free, [])], NOW)
+    assert planned_line(late, "mine", [HOST], NOW - 2 * HOUR, NOW) == (
+        "planned start: never; its latest start has passed")

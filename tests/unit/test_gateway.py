@@ -13,7 +13,9 @@ from e31_prefect.gateway import Owned, event_for_job, event_from_job, learn, ref
 from e31_prefect.sandbox import View, plan_view
 from e31_prefect.websocket_frames import CLOSE, TEXT, Frame, FrameError, encode, read_frame
 
-RUN, OTHER, TASK = str(uuid4()), str(uuid4()), str(uuid4())
+# Fixed ids: the cases below are parameters, and parallel test processes must collect the same ones.
+RUN, OTHER, TASK = "28f7dc00-2d45-4dfd-a501-64c8a03c143f", "43835668-28ca-4623-ab0f-9b7619d5d5a5", \
+    "9bd577a1-3a8c-42f9-a1d2-917af524c465"
 
 
 def owned() -> Owned:
@@ -62,7 +64,7 @@ def test_the_calls_of_its_own_flow_run_pass(method, route, body):
     ("POST", "/logs/", [{"flow_run_id": RUN}, {"flow_run_id": OTHER}], "not this job's own"),
     ("POST", "/logs/", [], "not this job's own"),
     ("POST", "/artifacts/", {"key": "no-run"}, "not this job's own"),
-    ("GET", f"/deployments/{uuid4()}", None, "not this job's own"),
+    ("GET", "/deployments/44d43d78-2225-4b4b-9f71-4dcc207e279a", None, "not this job's own"),
 ])
 def test_everything_else_is_refused_saying_why(method, route, body, why):
     assert why in (refusal(method, route, body, owned()) or "passed")
