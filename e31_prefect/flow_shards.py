@@ -80,6 +80,12 @@ def run_flow_shards(flow: str, parameters: dict[str, Any] | None = None) -> dict
     if not text:
         raise FlowCannotShard(f"{FLOW_SHARDS_NAME} runs a sharded job, and this job has no work.shards; set it "
                               f"(e.g. shards: 8), or deploy {flow} itself as the entrypoint")
+    # Not validated by Prefect (above), so a hand-written deployment's odd values are refused here.
+    if not isinstance(flow, str) or not flow:
+        raise FlowCannotShard(f"flow = {flow!r}: is not a flow entrypoint; give path/to/file.py:function")
+    if not isinstance(parameters, (dict, type(None))):
+        raise FlowCannotShard(f"parameters = {parameters!r}: is not a mapping of the flow's parameters; give "
+                              "e.g. {epochs: 3}")
     settings = ShardSettings.from_text(text)
     given = dict(parameters or {})
     check_flow(flow, given, settings.count)

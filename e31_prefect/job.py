@@ -204,7 +204,8 @@ class Work(BaseModel):
     parameters: dict[str, Any] = Field(
         default_factory=dict,
         title="Flow parameters",
-        description="Parameters passed to the flow.",
+        description="Parameters passed to the flow (each shard of a sharded flow also receives shard_index "
+        "and shard_count).",
         examples=[{"epochs": 3}],
     )
     env: dict[str, str] = Field(
@@ -360,7 +361,7 @@ class Work(BaseModel):
     def shard_problems(self) -> list[Problem]:
         """What is wrong with the work's shard fields on their own (the request's GPUs are checked by the job)."""
         problems = []
-        if self.shards is not None:
+        if self.shards is not None and self.flow:
             # Each shard of a flow receives these two: a job's own value would be silently replaced.
             problems += [Problem(f"work.parameters.{name}", self.parameters[name], "is given to each shard by "
                                  "e31 (from 0 to shards - 1, and the shard count); remove it")

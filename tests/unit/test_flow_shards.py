@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from e31_prefect.flow_shards import SHARD_MODULE, FlowCannotShard, check_flow
+from e31_prefect.flow_shards import SHARD_MODULE, FlowCannotShard, check_flow, run_flow_shards
 from e31_prefect.shard_runner import run_shards
 from e31_prefect.shards import ShardSettings
 
@@ -104,3 +104,20 @@ def test_a_flow_that_cannot_shard_fails_once_naming_the_flow_and_the_fix(flows, 
 
 def test_a_flow_that_can_shard_passes_the_check(flows):
     check_flow(f"{flows}:typed", {"steps": "3"}, 4)
+
+
+@pytest.mark.parametrize("flow, parameters, message", [
+    (["flows.py:sim"], {}, "flow = ['flows.py:sim']: is not a flow entrypoint"),
+    ("flows.py:sim", [1, 2], "parameters = [1, 2]: is not a mapping of the flow's parameters"),
+])
+def test_a_hand_written_deployments_odd_parameters_are_refused_before_any_shard(monkeypatch, flow, parameters,
+                                                                                message):
+    monkeypatch.setenv("E31_SHARDS", ShardSettings(count=2).to_text())
+    with pytest.raises(FlowCannotShard, match=message.replace("[", r"\[").replace("]", r"\]")):
+        run_flow_shards.fn(flow, parameters)
+
+
+def test_e31s_flow_shards_without_shards_says_what_to_do(monkeypatch):
+    monkeypatch.delenv("E31_SHARDS", raising=False)
+    with pytest.raises(FlowCannotShard, match="this job has no work.shards; set it"):
+        run_flow_shards.fn("flows.py:sim", {})
