@@ -75,13 +75,17 @@ def stream(command: Sequence[str], env: Mapping[str, str]) -> None:
         raise CommandFailed(f"{' '.join(command)} exited with status {process.returncode}")
 
 
-def run_sharded(command: list[str], settings: ShardSettings) -> dict[str, Any]:
-    """Run the shards, report them, fail unless their failures are allowed, then run the reduce command."""
+def run_sharded(command: list[str], settings: ShardSettings, what: str | None = None) -> dict[str, Any]:
+    """Run the shards, report them, fail unless their failures are allowed, then run the reduce command.
+
+    ``what`` names the work in the run's logs (default: the command line), so the flow-shards flow
+    (:mod:`e31_prefect.flow_shards`) can say "the flow ..." rather than its shard program.
+    """
     logger = get_run_logger()
     output_dir = Path(os.environ[OUTPUT_DIR_VARIABLE])
     progress = ProgressReport(settings.count)
     logger.info("Running %s as %d shards (%s GPU(s) each, %d at once per GPU, %d retries each, %d failures "
-                "allowed)", " ".join(command), settings.count, settings.gpus_per_shard, settings.shards_per_gpu,
+                "allowed)", what or " ".join(command), settings.count, settings.gpus_per_shard, settings.shards_per_gpu,
                 settings.retries, settings.allowed_failures)
 
     def finished(shard: int, outcome: str, schedule: Schedule) -> None:

@@ -40,7 +40,14 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from e31_prefect import timing
-from e31_prefect.shards import ShardSettings, expected_array_duration, slot_count
+from e31_prefect.shards import (
+    SHARD_PARAMETERS,
+    ShardSettings,
+    expected_array_duration,
+    missing_parameters_fix,
+    missing_shard_parameters,
+    slot_count,
+)
 
 SUPPORTED_SCHEMES = ("file", "s3")
 OUTPUT_PLACEHOLDERS = ("flow_run.id", "flow_run.name", "date", "job")
@@ -197,7 +204,8 @@ class Work(BaseModel):
     parameters: dict[str, Any] = Field(
         default_factory=dict,
         title="Flow parameters",
-        description="Parameters passed to the flow.",
+        description="Parameters passed to the flow (each shard of a sharded flow also receives shard_index "
+        "and shard_count).",
         examples=[{"epochs": 3}],
     )
     env: dict[str, str] = Field(
@@ -216,8 +224,9 @@ class Work(BaseModel):
     shards: int | None = Field(
         default=None,
         title="Shards",
-        description="Run the command this many times, as shards of one job (a Slurm job array): one rent, "
-        f"one meter, shards spread over the rented GPUs, each with E31_SHARD_INDEX set. At most {MAX_SHARDS}.",
+        description="Run the command or flow this many times, as shards of one job (a Slurm job array): one "
+        "rent, one meter, shards spread over the rented GPUs, each with E31_SHARD_INDEX set (a flow also "
+        f"receives shard_index and shard_count as parameters). At most {MAX_SHARDS}.",
         examples=[10000],
     )
     gpus_per_shard: int | None = Field(
@@ -353,8 +362,10 @@ class Work(BaseModel):
         """What is wrong with the work's shard fields on their own (the request's GPUs are checked by the job)."""
         problems = []
         if self.shards is not None and self.flow:
-            problems.append(Problem("work.shards", self.shards, "shards a command only, for now; give "
-                                    "work.command (e.g. [python, flow_script.py]) instead of work.flow"))
+            # Each shard of a flow receives these two: a job's own value would be silently replaced.
+            problems += [Problem(f"work.parameters.{name}", self.parameters[name], "is given to each shard by "
+                                 "e31 (from 0 to shards - 1, and the shard count); remove it")
+                         for name in SHARD_PARAMETERS if name in self.parameters]
         if isinstance(self.allow_failed_shards, int) and self.shards and self.allow_failed_shards >= self.shards:
             problems.append(Problem("work.allow_failed_shards", self.allow_failed_shards,
                                     f"allows all {self.shards} shards to fail, so the job could never fail; "
@@ -1056,7 +1067,7 @@ def _work_problems(work: Work, base: Path) -> list[Problem]:
         return [Problem("work.flow", work.flow, f"{source.name} does not parse: {exc.msg} (line {exc.lineno})")]
     except (ValueError, RecursionError, MemoryError) as exc:  # how CPython's parser says "nested too deep"
         return [Problem("work.flow", work.flow, f"{source.name} does not parse: {exc or 'nested too deep'}")]
-    defined = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    defined = {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
     if work.image and code_root(base, source) is None:
         return [Problem("work.flow", work.flow, f"its container would have to see all of "
                         f"{os.path.commonpath([base, source.parent])} to reach {source}; keep the flow in the job's "
@@ -1065,7 +1076,17 @@ def _work_problems(work: Work, base: Path) -> list[Problem]:
         hint = difflib.get_close_matches(function, sorted(defined), n=1)
         return [Problem("work.flow", work.flow, f"{source.name} defines no function {function}"
                         + (f"; did you mean {hint[0]}?" if hint else ""))]
+    if work.shards is not None:
+        # Known from the source, so refused here rather than after renting: each shard would fail alike.
+        missing = missing_shard_parameters(_keyword_parameters(defined[function]))
+        if missing:
+            return [Problem("work.flow", work.flow, missing_parameters_fix(work.flow, missing))]
     return []
+
+
+def _keyword_parameters(function: ast.FunctionDef | ast.AsyncFunctionDef) -> list[str]:
+    """The names a function defined in source takes by keyword."""
+    return [a.arg for a in (*function.args.args, *function.args.kwonlyargs)]
 
 
 # -- the schedule of one submission -------------------------------------------------------------

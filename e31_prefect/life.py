@@ -37,6 +37,7 @@ from e31_prefect import cgroups, endings, quotas, reporting, results, shards, sp
 from e31_prefect.blocks import StorageBlockError, load_job_storage
 from e31_prefect.command_flow import COMMAND_FLOW_ENTRYPOINT
 from e31_prefect.endings import Ending
+from e31_prefect.flow_shards import FLOW_SHARDS_ENTRYPOINT
 from e31_prefect.inventory import Device, pick_devices
 from e31_prefect.job import Job, JobError
 from e31_prefect.ledger import Holding, Record, RunFolder, now, output_tail, this_process
@@ -247,7 +248,7 @@ class JobLife:
             raise Ends(endings.INVALID_JOB.saying("The job is not valid:\n" + str(exc))) from None
         job = job.model_copy(update={"team": team})
         unshardable = shards.entrypoint_problem(job.work.shards, getattr(self.configuration, "entrypoint", None),
-                                                COMMAND_FLOW_ENTRYPOINT)
+                                                COMMAND_FLOW_ENTRYPOINT, FLOW_SHARDS_ENTRYPOINT)
         if unshardable:
             raise Ends(endings.INVALID_JOB.saying("The job is not valid:\n" + unshardable))
         self.job_name = job.name

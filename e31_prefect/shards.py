@@ -1,10 +1,12 @@
 """Shards of one job (a Slurm job array): which shard runs on which slot next, and how the job ends.
 
 A job file with ``work: {command: [...], shards: 10000}`` is run by the built-in
-command flow (:mod:`e31_prefect.command_flow`), which starts each shard through
-:mod:`e31_prefect.shard_runner`. Everything here is pure: settings carried to the
-job in ``E31_SHARDS``, the device slots, each shard's environment, the schedule
-(a state machine the runner drives), and the progress a person reads.
+command flow (:mod:`e31_prefect.command_flow`), one with ``work: {flow: ..., shards: 8}``
+by the built-in flow-shards flow (:mod:`e31_prefect.flow_shards`); both start each
+shard through :mod:`e31_prefect.shard_runner`. Everything here is pure: settings
+carried to the job in ``E31_SHARDS``, the device slots, each shard's environment
+and a flow shard's parameters, the schedule (a state machine the runner drives),
+and the progress a person reads.
 """
 
 from __future__ import annotations
@@ -12,15 +14,16 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from e31_prefect.job import Job
 
-SHARDS_VARIABLE = "E31_SHARDS"  # the job's shard settings, as JSON, for the command flow that runs them
+SHARDS_VARIABLE = "E31_SHARDS"  # the job's shard settings, as JSON, for the built-in flow that runs them
+SHARD_PARAMETERS = ("shard_index", "shard_count")  # what each shard of a sharded flow receives
 
 
 @dataclass(frozen=True)
@@ -61,13 +64,49 @@ class ShardSettings:
         return allowed_failures(self.count, self.allow_failed)
 
 
-def entrypoint_problem(shards: int | None, entrypoint: str | None, command_flow: str) -> str | None:
-    """Why a run cannot shard: its deployment runs a flow of its own, which would ignore ``work.shards``
-    and run once. None where it can (no shards, e31's command flow, or an entrypoint not known)."""
-    if shards is None or entrypoint is None or entrypoint == command_flow:
+def entrypoint_problem(shards: int | None, entrypoint: str | None, command_flow: str,
+                       flow_shards: str) -> str | None:
+    """Why a run cannot run as its job says, from its deployment's entrypoint; None where it can.
+
+    Shards are run by e31's built-in flows (``command_flow`` for a command, ``flow_shards`` for a flow): a
+    deployment of a flow of its own would ignore ``work.shards`` and run once, and the flow-shards flow
+    without shards has nothing to shard. An entrypoint not known (None) is let through.
+    """
+    if entrypoint is None or entrypoint == command_flow:
         return None
-    return (f"work.shards = {shards}: shards a command only, and this deployment runs the flow {entrypoint}; "
-            f"deploy the command with entrypoint {command_flow} (its command as the parameter), or remove shards")
+    if entrypoint == flow_shards:
+        return None if shards is not None else (
+            f"work.shards: not set, and this deployment runs e31's flow shards ({flow_shards}); set work.shards "
+            "(e.g. shards: 8) or deploy the flow itself as the entrypoint")
+    if shards is None:
+        return None
+    return (f"work.shards = {shards}: this deployment runs the flow {entrypoint} itself, which would run once; "
+            f"deploy it with entrypoint {flow_shards} and parameters {{flow: {entrypoint}, parameters: {{...}}}} "
+            "(e31 submit does this for a job file's work.flow), or remove shards")
+
+
+def missing_shard_parameters(accepted: Collection[str]) -> list[str]:
+    """Which of ``shard_index`` and ``shard_count`` a flow's function does not name among the parameters
+    it ``accepted`` by keyword.
+
+    Both must be named: ``**kwargs`` does not count, since Prefect gives a flow's ``**kwargs`` as one
+    parameter holding a mapping, and a flow that took neither would do the same work in every shard.
+    """
+    return [name for name in SHARD_PARAMETERS if name not in accepted]
+
+
+def missing_parameters_fix(flow: str, missing: Sequence[str]) -> str:
+    """What to do about a sharded flow that cannot receive its shard."""
+    function = flow.rsplit(":", 1)[-1].rsplit(".", 1)[-1]
+    return (f"{function} takes no {' or '.join(missing)} parameter, which each shard of a sharded flow receives; "
+            f"add {'them' if len(missing) > 1 else 'it'} (def {function}(..., "
+            f"{', '.join(f'{name}: int' for name in missing)})) or remove work.shards")
+
+
+def shard_parameters(parameters: Mapping[str, Any], index: int, count: int) -> dict[str, Any]:
+    """A flow shard's parameters: the job's own and its shard (the job's cannot name these two:
+    :meth:`e31_prefect.job.Work.shard_problems`)."""
+    return {**parameters, "shard_index": index, "shard_count": count}
 
 
 def allowed_failures(count: int, allow: int | float) -> int:

@@ -20,6 +20,7 @@ from prefect.states import Scheduled
 from prefect.utilities.callables import parameter_schema_from_entrypoint
 
 from e31_prefect.command_flow import COMMAND_FLOW_ENTRYPOINT, COMMAND_FLOW_NAME
+from e31_prefect.flow_shards import FLOW_SHARDS_ENTRYPOINT, FLOW_SHARDS_NAME
 from e31_prefect.job import Job, JobError, Problem, flow_file, plan, plan_problems
 
 DEFAULT_POOL = "e31"
@@ -48,9 +49,13 @@ async def ensure_pool(client: PrefectClient, name: str) -> WorkPool:
 
 
 def entrypoint_of(job: Job, folder: Path) -> tuple[str, str, dict[str, Any]]:
-    """The deployment's entrypoint, flow name and parameters for a job anchored at ``folder``."""
+    """The deployment's entrypoint, flow name and parameters for a job anchored at ``folder``: a command
+    runs in e31's command flow, a sharded flow in e31's flow-shards flow, any other flow is its own."""
     if job.work.command:
         return COMMAND_FLOW_ENTRYPOINT, COMMAND_FLOW_NAME, {"command": job.work.command}
+    if job.work.shards is not None:
+        return FLOW_SHARDS_ENTRYPOINT, FLOW_SHARDS_NAME, {"flow": job.work.flow,
+                                                          "parameters": dict(job.work.parameters)}
     source, function = flow_file(job.work, folder)
     name = load_flow_arguments_from_entrypoint(f"{source}:{function}", arguments={"name"})["name"]
     return job.work.flow or "", name, dict(job.work.parameters)
@@ -61,7 +66,7 @@ async def deploy_job(client: PrefectClient, job: Job, folder: Path, pool: str) -
     entrypoint, flow_name, parameters = entrypoint_of(job, folder)
     try:
         schema = parameter_schema_from_entrypoint(
-            entrypoint if job.work.command else f"{folder / entrypoint.rsplit(':', 1)[0]}:"
+            entrypoint if ":" not in entrypoint else f"{folder / entrypoint.rsplit(':', 1)[0]}:"
             + entrypoint.rsplit(":", 1)[1]).model_dump()
     except Exception:
         schema = None

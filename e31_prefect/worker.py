@@ -39,6 +39,7 @@ from pydantic import Field, PrivateAttr, create_model
 
 from e31_prefect import backlog, endings, inventories, quotas, reporting, timing
 from e31_prefect.blocks import E31Storage
+from e31_prefect.flow_shards import FLOW_SHARDS_ENTRYPOINT
 from e31_prefect.inventory import Inventory, discover
 from e31_prefect.job import JOB_VARIABLE_KEYS, Job, Problem, anchor, code_root, job_name
 from e31_prefect.ledger import Holding, Ledger, RunFolder, this_process
@@ -172,6 +173,8 @@ class _Configuration(DockerWorkerJobConfiguration):
         if self._job_folder is None:
             return None
         source = (self._entrypoint or "").rsplit(":", 1)[0]
+        if self._entrypoint == FLOW_SHARDS_ENTRYPOINT:  # e31's flow shards: the code is the job's work.flow
+            source = ((getattr(self, "work", None) or {}).get("flow") or "").rsplit(":", 1)[0]
         if not source.endswith(".py"):
             return self._job_folder  # a module (e31's command flow): the command runs in the job's folder
         return code_root(self._job_folder, (self._job_folder / source).resolve()) or self._job_folder

@@ -1,4 +1,5 @@
-"""Sharded jobs end to end: `e31 run` of a job array on declared GPUs, a real Prefect server, the process runtime.
+"""Sharded jobs end to end (a command and a flow): `e31 run` of a job array on declared GPUs, a real Prefect server,
+the process runtime.
 
 What a user checks: each shard saw only its devices and its index, a flaky shard ran again,
 failures within the allowance still complete the job, the reduce step combined the shards,
@@ -189,3 +190,118 @@ def test_cancelling_a_sharded_run_stops_every_running_shard(prefect_server, tmp_
         run = client.read_flow_run(run_id)
     assert run.state.is_cancelled(), (run.state, output[-3000:])
     assert not any(process_running(pid) for pid in pids)
+
+
+# -- a sharded work.flow: the same shards, each a call of the flow with its shard as parameters ------
+
+FLOW = """\
+import json, os
+from pathlib import Path
+from prefect import flow, get_run_logger
+from e31_prefect import output_dir
+
+@flow(name="probe")
+def probe(label: str, shard_index: int, shard_count: int) -> None:
+    out = output_dir()
+    tries = out / "tries"
+    tries.write_text(str(int(tries.read_text()) + 1 if tries.exists() else 1))
+    names = ("E31_SHARD_INDEX", "E31_SHARD_COUNT", "SLURM_ARRAY_TASK_ID", "CUDA_VISIBLE_DEVICES",
+             "NVIDIA_VISIBLE_DEVICES")
+    seen = {"label": label, "shard_index": shard_index, "shard_count": shard_count,
+            **{name: os.environ.get(name) for name in names}}
+    (out / "seen.json").write_text(json.dumps(seen))
+    get_run_logger().info("shard %d of %d for %s", shard_index, shard_count, label)
+    if shard_index == 2 and tries.read_text() == "1":
+        raise RuntimeError("flaky: first try of shard 2")
+    if shard_index == 4:
+        print("x" * 100000)
+        raise RuntimeError("shard 4 diverged")
+"""
+
+
+def write_flow_job(folder: Path, flow: str = FLOW) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "probe.py").write_text(flow)
+    (folder / "reduce.py").write_text(REDUCE)
+    job = folder / "job.yaml"
+    job.write_text(textwrap.dedent("""\
+        name: flow-array
+        work:
+          flow: probe.py:probe
+          parameters: {label: nightly}
+          shards: 6
+          gpus_per_shard: 2
+          shard_retries: 1
+          allow_failed_shards: 1
+          reduce: [python, reduce.py]
+        request: {gpus: 4, max_duration: 5m}
+        output: {to: ./out/}
+        """))
+    return job
+
+
+def flow_runs_in(pool: str) -> list:
+    from prefect.client.schemas.filters import WorkPoolFilter, WorkPoolFilterName
+
+    with get_client(sync_client=True) as client:
+        return client.read_flow_runs(work_pool_filter=WorkPoolFilter(name=WorkPoolFilterName(any_=[pool])))
+
+
+def test_a_sharded_flow_runs_once_per_shard_with_its_shard_as_parameters_in_one_flow_run(prefect_server, tmp_path,
+                                                                                        pool):
+    job = write_flow_job(tmp_path / "flow-array")
+    result = cli("e31", "run", str(job), "--pool", pool, gpus="4xH100")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert ": Completed" in result.stdout
+    out = tmp_path / "flow-array" / "out"
+
+    for shard in range(6):
+        seen = json.loads((out / f"shard-{shard}" / "seen.json").read_text())
+        assert seen["label"] == "nightly"  # the job's parameters, and the shard's own
+        assert (seen["shard_index"], seen["shard_count"]) == (shard, 6)
+        assert (seen["E31_SHARD_INDEX"], seen["SLURM_ARRAY_TASK_ID"], seen["E31_SHARD_COUNT"]) == (str(shard),
+                                                                                                   str(shard), "6")
+        assert seen["CUDA_VISIBLE_DEVICES"] in ("0,1", "2,3")  # two GPUs each, never another shard's half
+        assert seen["NVIDIA_VISIBLE_DEVICES"] == seen["CUDA_VISIBLE_DEVICES"]
+        assert f"shard {shard} of 6 for nightly" in (out / f"shard-{shard}" / "shard.log").read_text()
+    tries = {shard: int((out / f"shard-{shard}" / "tries").read_text()) for shard in range(6)}
+    assert tries == {0: 1, 1: 1, 2: 2, 3: 1, 4: 2, 5: 1}
+    assert json.loads((out / "reduced.json").read_text()) == {"shards": list(range(6)), "count": "6",
+                                                                 "failed": "4"}
+
+    # One flow run for the whole job: the shards are processes, not runs.
+    [run] = flow_runs_in(pool)
+    assert run.id == flow_run_id(result.stdout)
+    artifacts = artifacts_of(run.id)
+    progress = artifacts["e31-shards"]
+    assert float(progress.data) == 100.0 and progress.description.startswith("5/6 shards done, 1 failed, 0 running")
+    [row] = json.loads(artifacts["e31-shard-failures"].data)
+    assert row["shard"] == 4 and row["attempts"] == 2
+    assert row["last_lines"].strip().splitlines()[-1] == "RuntimeError: shard 4 diverged"
+
+
+def test_a_sharded_flow_that_cannot_receive_its_shard_fails_before_any_shard_naming_the_flow(prefect_server,
+                                                                                            tmp_path, pool):
+    # Valid when submitted; by the time the worker runs it, the flow's file no longer takes its shard.
+    job = write_flow_job(tmp_path / "changed")
+    submitted = cli("e31", "submit", str(job), "--pool", pool)
+    assert submitted.returncode == 0, submitted.stdout + submitted.stderr
+    (job.parent / "probe.py").write_text(FLOW.replace("shard_index: int, shard_count: int", "index: int = 0"))
+    worker = cli("prefect", "worker", "start", "--pool", pool, "--type", "e31", "--run-once", gpus="4xH100")
+    assert worker.returncode == 0, worker.stdout + worker.stderr
+    with get_client(sync_client=True) as client:
+        run = client.read_flow_run(flow_run_id(submitted.stdout))
+    assert run.state.is_failed(), run.state
+    assert ("The flow probe.py:probe cannot receive its shard: probe takes no shard_index or shard_count "
+            "parameter") in run.state.message
+    assert not list((job.parent / "out").glob("shard-*"))
+
+
+def test_the_sweep_example_runs_as_a_sharded_flow(prefect_server, jobs, pool):
+    result = cli("e31", "run", str(jobs / "sweep.yaml"), "--pool", pool, gpus="2xH100")
+    assert result.returncode == 0, result.stdout + result.stderr
+    [out] = (jobs / "outputs" / "rate-sweep").iterdir()
+    rates = [json.loads((out / f"shard-{i}" / "metrics.json").read_text())["rate"] for i in range(8)]
+    assert rates == [0.005 * 2**i for i in range(8)]
+    best = json.loads((out / "best.json").read_text())
+    assert best["tried"] == 8 and best["best"]["accuracy"] > 0.5

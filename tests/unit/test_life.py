@@ -502,8 +502,17 @@ def test_admit_refuses_shards_for_a_deployment_running_a_flow_of_its_own(tmp_pat
     life.configuration.entrypoint = "flows/train.py:train"  # type: ignore[union-attr]
     ending = ending_of(life.admit)
     assert ending.is_(endings.INVALID_JOB) and not ending.billed
-    assert "work.shards = 100: shards a command only, and this deployment runs the flow flows/train.py:train" \
-        in ending.message
-    life = life_for(tmp_path, sharded)
-    life.configuration.entrypoint = "e31_prefect.command_flow.run_command"  # type: ignore[union-attr]
-    assert life.admit().work.shards == 100
+    assert ("work.shards = 100: this deployment runs the flow flows/train.py:train itself, which would run once; "
+            "deploy it with entrypoint e31_prefect.flow_shards.run_flow_shards") in ending.message
+    for builtin in ("e31_prefect.command_flow.run_command", "e31_prefect.flow_shards.run_flow_shards"):
+        life = life_for(tmp_path, sharded)
+        life.configuration.entrypoint = builtin  # type: ignore[union-attr]
+        assert life.admit().work.shards == 100
+
+
+def test_admit_refuses_e31s_flow_shards_for_a_job_without_shards(tmp_path):
+    life = life_for(tmp_path)
+    life.configuration.entrypoint = "e31_prefect.flow_shards.run_flow_shards"  # type: ignore[union-attr]
+    ending = ending_of(life.admit)
+    assert ending.is_(endings.INVALID_JOB) and not ending.billed
+    assert "work.shards: not set, and this deployment runs e31's flow shards" in ending.message

@@ -11,7 +11,7 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from e31_prefect.job import MAX_SHARDS, Job, JobError, parse_job, plan, plan_problems
+from e31_prefect.job import MAX_SHARDS, Job, JobError, load_job_file, parse_job, plan, plan_problems
 from e31_prefect.runtimes import job_environment
 from e31_prefect.shards import (
     SHARDS_VARIABLE,
@@ -19,13 +19,17 @@ from e31_prefect.shards import (
     Schedule,
     ShardSettings,
     allowed_failures,
+    entrypoint_problem,
     failure_rows,
     failure_summary,
+    missing_shard_parameters,
     progress_bar,
     shard_environment,
+    shard_parameters,
     slot_count,
     slots,
 )
+from e31_prefect.submission import entrypoint_of
 
 
 def sharded(gpus: int = 4, **work) -> dict:
@@ -117,10 +121,99 @@ def test_bad_retries_shards_per_gpu_and_an_empty_reduce_are_each_one_line():
                                                             "work.shards_per_gpu = 0"]
 
 
-def test_sharding_a_flow_is_refused_with_what_to_do():
-    [problem] = problems({"name": "j", "work": {"flow": "f.py:f", "shards": 3},
-                          "request": {"max_duration": "1h"}})
-    assert "give work.command" in problem
+def test_a_flow_may_be_sharded():
+    job = parse_job({"name": "j", "work": {"flow": "f.py:f", "parameters": {"steps": 5}, "shards": 3},
+                     "request": {"gpus": 1, "max_duration": "1h"}})
+    assert ShardSettings.of(job) == ShardSettings(count=3)
+
+
+def test_a_sharded_flows_parameters_cannot_name_the_shard_e31_gives_each_shard():
+    found = problems({"name": "j", "work": {"flow": "f.py:f", "shards": 3,
+                                            "parameters": {"shard_index": 0, "shard_count": 3, "steps": 5}},
+                      "request": {"max_duration": "1h"}})
+    assert found == ["work.parameters.shard_index = 0: is given to each shard by e31 (from 0 to shards - 1, and "
+                     "the shard count); remove it",
+                     "work.parameters.shard_count = 3: is given to each shard by e31 (from 0 to shards - 1, and "
+                     "the shard count); remove it"]
+    # Without shards they are the flow's own parameters like any other.
+    parse_job({"name": "j", "work": {"flow": "f.py:f", "parameters": {"shard_index": 0}},
+               "request": {"max_duration": "1h"}})
+
+
+FLOW_FILE = """\
+from prefect import flow
+
+@flow
+def sim(steps: int, shard_index: int, shard_count: int): ...
+
+@flow
+def keyword_only(*, shard_index: int = 0, shard_count: int = 1): ...
+
+@flow
+async def half(steps: int, shard_index: int, **rest): ...
+
+@flow
+def positional_only(shard_index, shard_count, /): ...
+
+@flow
+def plain(steps: int): ...
+"""
+
+
+@pytest.mark.parametrize("function, missing", [
+    ("sim", None), ("keyword_only", None),
+    ("half", "half takes no shard_count parameter, which each shard of a sharded flow receives; add it "
+             "(def half(..., shard_count: int)) or remove work.shards"),
+    ("positional_only", "positional_only takes no shard_index or shard_count parameter"),
+    ("plain", "plain takes no shard_index or shard_count parameter, which each shard of a sharded flow "
+              "receives; add them (def plain(..., shard_index: int, shard_count: int)) or remove work.shards"),
+])
+def test_a_sharded_flow_that_cannot_receive_its_shard_is_refused_when_the_job_file_is_read(tmp_path, function,
+                                                                                            missing):
+    (tmp_path / "flows.py").write_text(FLOW_FILE)
+    job = tmp_path / "job.yaml"
+    job.write_text(f"work: {{flow: flows.py:{function}, shards: 4}}\nrequest: {{gpus: 2, max_duration: 1h}}\n")
+    if missing is None:
+        assert load_job_file(job).work.shards == 4
+        return
+    with pytest.raises(JobError) as caught:
+        load_job_file(job)
+    [problem] = map(str, caught.value.problems)
+    assert problem.startswith(f"work.flow = 'flows.py:{function}': {missing}")
+    # The same flow unsharded is fine: it is given no shard.
+    job.write_text(f"work: {{flow: flows.py:{function}}}\nrequest: {{max_duration: 1h}}\n")
+    assert load_job_file(job).work.shards is None
+
+
+def test_a_shards_parameters_are_the_jobs_and_its_own_shard():
+    assert shard_parameters({"steps": 5}, 3, 8) == {"steps": 5, "shard_index": 3, "shard_count": 8}
+    assert missing_shard_parameters(["steps", "shard_count", "shard_index"]) == []
+    assert missing_shard_parameters(["shard_count"]) == ["shard_index"]
+
+
+COMMAND, FLOW_SHARDS = "e31_prefect.command_flow.run_command", "e31_prefect.flow_shards.run_flow_shards"
+
+
+@pytest.mark.parametrize("shards, entrypoint, refused", [
+    (None, None, None), (8, None, None),                          # not known: let through
+    (8, COMMAND, None), (None, COMMAND, None),                    # the command flow, sharded or not
+    (8, FLOW_SHARDS, None),                                       # a sharded flow
+    (None, FLOW_SHARDS, "work.shards: not set, and this deployment runs e31's flow shards"),
+    (None, "flows/sim.py:sim", None),                             # a flow of its own, once
+    (8, "flows/sim.py:sim", "work.shards = 8: this deployment runs the flow flows/sim.py:sim itself, which would "
+                            "run once; deploy it with entrypoint e31_prefect.flow_shards.run_flow_shards and "
+                            "parameters {flow: flows/sim.py:sim, parameters: {...}}"),
+])
+def test_a_deployment_runs_its_shards_only_through_e31s_built_in_flows(shards, entrypoint, refused):
+    problem = entrypoint_problem(shards, entrypoint, COMMAND, FLOW_SHARDS)
+    assert (problem is None) if refused is None else problem.startswith(refused)
+
+
+def test_e31_submit_deploys_a_sharded_flow_as_e31s_flow_shards_with_its_flow_and_parameters(tmp_path):
+    job = parse_job({"name": "j", "work": {"flow": "f.py:f", "parameters": {"steps": 5}, "shards": 3},
+                     "request": {"gpus": 1, "max_duration": "1h"}})
+    assert entrypoint_of(job, tmp_path) == (FLOW_SHARDS, "e31-flow-shards",
+                                            {"flow": "f.py:f", "parameters": {"steps": 5}})
 
 
 def test_the_worker_hands_the_shard_settings_to_the_job_in_its_environment():
