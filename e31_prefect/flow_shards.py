@@ -89,6 +89,9 @@ def run_flow_shards(flow: str, parameters: dict[str, Any] | None = None) -> dict
     settings = ShardSettings.from_text(text)
     given = dict(parameters or {})
     check_flow(flow, given, settings.count)
+    # A shard is no flow run, so Prefect's log handler has no run to send its task runs' lines to: they stay
+    # in the shard's own log, without a warning in each.
+    os.environ["PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW"] = "ignore"
     # The parameters go to the shards in a file: any size, and not in every shard's command line.
     with tempfile.TemporaryDirectory(prefix="e31-flow-shards-") as folder:
         path = Path(folder) / "parameters.json"
