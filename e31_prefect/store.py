@@ -173,22 +173,25 @@ class LinkInDestination(OSError):
 
 
 @contextmanager
-def open_own(local: Path) -> Iterator[int]:
-    """A read descriptor of ``local``, only if it is still a regular file with one name.
+def open_own(local: Path, *, one_name: bool = True, was: str = "listed", then: str = "sent") -> Iterator[int]:
+    """A read descriptor of ``local``, only if it is still a regular file (with one name, unless
+    ``one_name`` is False).
 
     Opened without following a final link and checked on the open descriptor, so what is read is
-    what the walk of the output dir decided to send, even if the path changed since.
+    what the walk decided (it was ``was``), even if the path changed since; else :class:`NotOwnFile`
+    saying it is not ``then``. Outputs refuse a second name (a hard link to a file the job does not own).
     """
     try:
         fd = os.open(local, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
-            raise NotOwnFile(f"{local}: became a symbolic link after it was listed; not sent") from None
+            raise NotOwnFile(f"{local}: became a symbolic link after it was {was}; not {then}") from None
         raise
     try:
         info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_nlink > 1:
-            raise NotOwnFile(f"{local}: is no longer a regular file with one name; not sent")
+        if not stat.S_ISREG(info.st_mode) or (one_name and info.st_nlink > 1):
+            kind = "a regular file with one name" if one_name else "a regular file"
+            raise NotOwnFile(f"{local}: is no longer {kind}; not {then}")
         yield fd
     finally:
         os.close(fd)
@@ -245,23 +248,13 @@ def get_local(path: str, dest: Path) -> int:
     Opened without following a final link and checked on the open descriptor, so a path changed
     after it was planned cannot turn the copy into a read of something else. Returns the bytes copied.
     """
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise NotOwnFile(f"{path}: became a symbolic link after it was planned; not staged") from None
-        raise
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise NotOwnFile(f"{path}: is no longer a regular file; not staged")
+    with open_own(Path(path), one_name=False, was="planned", then="staged") as fd:
         out = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
         try:
             _copy(fd, out)
             return os.fstat(out).st_size
         finally:
             os.close(out)
-    finally:
-        os.close(fd)
 
 
 def is_local(fs: Any) -> bool:
