@@ -11,7 +11,7 @@ alternating, the same number of trivial runs of a no-op flow is drained by:
 
 Printed for each: runs per minute from the workers' start to the last run's end, and the ratio (goal
 e31/process >= 1.0); runs that did not complete (goal 0); CPU seconds per run spent by the worker
-processes themselves, and by the whole host (server, engines and all).
+processes themselves (not their children), and by the whole host (server, engines, supervisors and all).
 
 Then the cost of one poll at a backlog of ``--backlog`` due runs, both workers in this process with every
 slot taken (so a poll reads, ranks and starts nothing): e31's first poll (each run evaluated once) and its
@@ -56,9 +56,10 @@ def host_cpu_seconds() -> float:
 
 
 def process_cpu_seconds(pid: int) -> float:
-    """A live process's own CPU seconds (user and system), with those of its children it has waited for."""
+    """A live process's own CPU seconds (user and system): not its children's, which for Prefect's process
+    worker are the runs themselves (the host's figure counts everything)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return sum(int(x) for x in fields[11:15]) / TICKS  # utime, stime, cutime, cstime
+    return sum(int(x) for x in fields[11:13]) / TICKS  # utime, stime
 
 
 def run_count(client, deployment_id, states: list[str]) -> int:
@@ -67,10 +68,12 @@ def run_count(client, deployment_id, states: list[str]) -> int:
         DeploymentFilter,
         DeploymentFilterId,
         FlowRunFilter,
+        FlowRunFilterState,
         FlowRunFilterStateType,
     )
 
-    return client.count_flow_runs(flow_run_filter=FlowRunFilter(state=FlowRunFilterStateType(any_=states)),
+    return client.count_flow_runs(flow_run_filter=FlowRunFilter(state=FlowRunFilterState(
+                                      type=FlowRunFilterStateType(any_=states))),
                                   deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment_id])))
 
 
@@ -144,32 +147,32 @@ def drain(side: Side, pool: str, runs: int, workers: int) -> dict[str, float]:
     started = time.monotonic()
     procs = [side.start_worker(pool, i) for i in range(workers)]
     worker_cpu: dict[int, float] = {}
-    with get_client(sync_client=True) as client:
-        while run_count(client, deployment_id, FINAL) < runs:
-            for proc in procs:
-                with contextlib.suppress(OSError):
-                    worker_cpu[proc.pid] = process_cpu_seconds(proc.pid)
-            if time.monotonic() - started > 3600:
-                break
-            time.sleep(1)
-        elapsed = time.monotonic() - started
-        host = host_cpu_seconds() - host_before
+    try:
+        with get_client(sync_client=True) as client:
+            while run_count(client, deployment_id, FINAL) < runs and time.monotonic() - started < 3600:
+                for proc in procs:
+                    with contextlib.suppress(OSError):
+                        worker_cpu[proc.pid] = process_cpu_seconds(proc.pid)
+                time.sleep(1)
+            elapsed = time.monotonic() - started
+            host = host_cpu_seconds() - host_before
+            done = run_count(client, deployment_id, ["COMPLETED"])
         for proc in procs:
             with contextlib.suppress(OSError):
                 worker_cpu[proc.pid] = process_cpu_seconds(proc.pid)
+    finally:
+        for proc in procs:
             proc.send_signal(signal.SIGTERM)
         for proc in procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=60)
-        done = run_count(client, deployment_id, ["COMPLETED"])
     return {"runs_per_min": runs / elapsed * 60, "not_completed": runs - done, "seconds": elapsed,
             "worker_cpu_per_run": sum(worker_cpu.values()) / runs, "host_cpu_per_run": host / runs}
 
 
-async def poll_costs(side: Side, pool: str, backlog: int, polls: int) -> list[float]:
-    """Seconds of each of ``polls`` polls at a backlog of ``backlog`` due runs, every slot of the worker taken."""
-    deployment_id = side.deployment(pool)
-    create_runs(deployment_id, backlog)
+async def poll_costs(side: Side, pool: str, polls: int) -> list[float]:
+    """Seconds of each of ``polls`` polls of ``pool`` (its backlog made beforehand), every slot of the worker
+    taken."""
     times = []
     if side.kind == "e31":
         from e31_prefect.worker import E31Worker
@@ -233,7 +236,8 @@ def main() -> None:
         if args.backlog:
             for kind in ("e31", "process"):
                 print(f"{kind}: a poll at {args.backlog} due runs ...", flush=True)
-                polls[kind] = asyncio.run(poll_costs(sides[kind], f"poll-{kind}", args.backlog, args.polls))
+                create_runs(sides[kind].deployment(f"poll-{kind}"), args.backlog)
+                polls[kind] = asyncio.run(poll_costs(sides[kind], f"poll-{kind}", args.polls))
                 print("  " + ", ".join(f"{t:.2f} s" for t in polls[kind]), flush=True)
     finally:
         server.stop()
