@@ -110,6 +110,7 @@ def test_an_api_outage_at_the_end_of_a_run_is_billed_to_nobody(own_server, tmp_p
                               "the work ending while the API is down")
         holding = folder.holding()
         time.sleep(20)
+        api_back = datetime.now().astimezone()
         own_server.start()
         until(lambda: not folder.path.exists(), 180, "the worker closing the run once the API is back")
     finally:
@@ -117,7 +118,10 @@ def test_an_api_outage_at_the_end_of_a_run_is_billed_to_nobody(own_server, tmp_p
     assert final.work_ended is not None, "the job never said its work was done"
     true_end = work_end(datetime.fromisoformat(final.ended), datetime.fromisoformat(final.work_ended))
     true_bill = (true_end - datetime.fromisoformat(holding.marks["rented"])).total_seconds()
-    assert 6 <= true_bill <= 9
+    # The bill holds the 6 s of work and ends with it, a whole outage (20 s) before the API came back: not
+    # at the moment the worker could report it. (Not a bound on the engine's start, which load stretches.)
+    assert true_bill >= 6
+    assert (api_back - true_end).total_seconds() >= 19, (true_end, api_back)
     with httpx.Client(base_url=own_server.api_url) as api:
         run = api.get(f"/flow_runs/{run_id}").json()
         artifacts = api.post("/artifacts/filter", json={"artifacts": {"flow_run_id": {"any_": [str(run_id)]}}}).json()
