@@ -24,36 +24,16 @@ from prefect.states import Scheduled
 
 from e31_prefect.worker import E31Worker
 from tests.integration.conftest import cli, flow_run_id
-from tests.integration.test_jobs_end_to_end import read_run, write_job
+from tests.integration.test_jobs_end_to_end import MARK_FLOW, mark_job, read_run, write_job
 
 pytestmark = pytest.mark.integration
 
 BACKLOG = 250  # more than the server's page (PREFECT_SERVER_API_DEFAULT_LIMIT, 200)
 
-FLOW = """
-    from prefect import flow
-    from e31_prefect import output_dir
-
-    @flow
-    def mark():
-        (output_dir() / "ran").write_text("yes")
-    """
-
-
 def test_a_run_submitted_behind_a_full_page_with_the_earliest_deadline_starts_first(prefect_server, tmp_path: Path,
                                                                                       pool):
-    relaxed = write_job(tmp_path / "relaxed", """
-        name: relaxed
-        work: {flow: flow.py:mark}
-        request: {gpus: 1, max_duration: 10m, deadline: +8h}
-        output: {to: ./out/}
-        """, flow=FLOW)
-    urgent = write_job(tmp_path / "urgent", """
-        name: urgent
-        work: {flow: flow.py:mark}
-        request: {gpus: 1, max_duration: 10m, deadline: +30m}
-        output: {to: ./out/}
-        """, flow=FLOW)
+    relaxed = mark_job(tmp_path / "relaxed", "relaxed", deadline="+8h")
+    urgent = mark_job(tmp_path / "urgent", "urgent", deadline="+30m")
     submitted = cli("e31", "submit", str(relaxed), "--pool", pool)
     assert submitted.returncode == 0, submitted.stderr
     with get_client(sync_client=True) as client:
@@ -82,7 +62,7 @@ def test_a_poll_evaluates_again_only_the_runs_that_changed(prefect_server, tmp_p
         name: relaxed
         work: {flow: flow.py:mark}
         request: {gpus: 1, max_duration: 10m, deadline: +8h}
-        """, flow=FLOW)
+        """, flow=MARK_FLOW)
     submitted = cli("e31", "submit", str(job), "--pool", pool)
     assert submitted.returncode == 0, submitted.stderr
     with get_client(sync_client=True) as client:
@@ -135,12 +115,7 @@ def test_queue_lists_every_waiting_run_with_its_planned_start_and_whether_it_mee
                  env={"PREFECT_WORKER_HEARTBEAT_SECONDS": "600"})
     assert worker.returncode == 0, worker.stdout + worker.stderr
     for name, deadline in (("third", "+8h"), ("second", "+105m"), ("first", "+90m")):
-        job = write_job(tmp_path / name, f"""
-            name: {name}
-            work: {{flow: flow.py:mark}}
-            request: {{gpus: 1, max_duration: 1h, deadline: "{deadline}"}}
-            output: {{to: ./out/}}
-            """, flow=FLOW)
+        job = mark_job(tmp_path / name, name, deadline=deadline, max_duration="1h")
         submitted = cli("e31", "submit", str(job), "--pool", pool)
         assert submitted.returncode == 0, submitted.stderr
     # The last one submitted has the earliest deadline: e31 submit says it goes first, and by when it must.

@@ -64,6 +64,31 @@ def write_job(folder: Path, text: str, flow: str | None = None, name: str = "job
     return path
 
 
+MARK_FLOW = """
+    from prefect import flow
+    from e31_prefect import output_dir
+
+    @flow
+    def mark():
+        (output_dir() / "ran").write_text("yes")
+    """
+
+
+def mark_job(folder: Path, name: str, *, deadline: str | None = None, gpus: int = 1, gpu_type: str | None = None,
+             max_duration: str = "10m") -> Path:
+    """A job file running :data:`MARK_FLOW` (it leaves ``ran`` in its outputs): the scheduling tests' job,
+    different only in its name and its request."""
+    request = {"gpus": gpus, "gpu_type": gpu_type, "max_duration": max_duration,
+               "deadline": f'"{deadline}"' if deadline else None}
+    fields = ", ".join(f"{key}: {value}" for key, value in request.items() if value is not None)
+    return write_job(folder, f"""
+        name: {name}
+        work: {{flow: flow.py:mark}}
+        request: {{{fields}}}
+        output: {{to: ./out/}}
+        """, flow=MARK_FLOW)
+
+
 def test_example_job_runs_end_to_end_with_meter_tags_artifacts_and_events(prefect_server, jobs, pool):
     result = cli("e31", "run", str(jobs / "retrain.yaml"), "--now", "--pool", pool, gpus="1xH100")
     assert result.returncode == 0, result.stdout + result.stderr
@@ -255,32 +280,9 @@ def test_worker_refuses_a_run_past_its_latest_start_before_renting(prefect_serve
 
 
 def test_worker_leaves_runs_it_cannot_fit_and_takes_the_least_slack_first(prefect_server, tmp_path, pool):
-    flow = """
-        from prefect import flow
-        from e31_prefect import output_dir
-
-        @flow
-        def mark():
-            (output_dir() / "ran").write_text("yes")
-        """
-    relaxed = write_job(tmp_path / "a", """
-        name: relaxed
-        work: {flow: flow.py:mark}
-        request: {gpus: 1, max_duration: 10m, deadline: +8h}
-        output: {to: ./out/}
-        """, flow=flow)
-    urgent = write_job(tmp_path / "b", """
-        name: urgent
-        work: {flow: flow.py:mark}
-        request: {gpus: 1, max_duration: 10m, deadline: +30m}
-        output: {to: ./out/}
-        """, flow=flow)
-    big = write_job(tmp_path / "c", """
-        name: too-big
-        work: {flow: flow.py:mark}
-        request: {gpus: 2, gpu_type: H100, max_duration: 10m}
-        output: {to: ./out/}
-        """, flow=flow)
+    relaxed = mark_job(tmp_path / "a", "relaxed", deadline="+8h")
+    urgent = mark_job(tmp_path / "b", "urgent", deadline="+30m")
+    big = mark_job(tmp_path / "c", "too-big", gpus=2, gpu_type="H100")
     ids = {}
     for path in (relaxed, big, urgent):
         submitted = cli("e31", "submit", str(path), "--pool", pool)
