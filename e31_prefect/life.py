@@ -680,8 +680,10 @@ class JobLife:
             ending = await life._never_started()
         else:
             ending = await life._resume(folder, Job.model_validate(holding.job))
-        await life.release(ending)
+        # The slots go back with the devices, before the meter is recorded, as in a run's own life:
+        # a worker stopped once the run's tags are written holds nothing of it.
         await life._release_lease()
+        await life.release(ending)
         return ending
 
     async def _never_started(self) -> Ending | None:
