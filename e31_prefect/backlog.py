@@ -12,12 +12,15 @@ the cursor; those runs are paged by offset through the flow-run filter instead. 
 own rules still hold: paused queues and pools give nothing, and a queue or pool concurrency limit
 caps a page below its size, which ends the paging.
 
-:class:`Evaluations` is pure: the worker keeps what each run was evaluated to (templated,
-parsed, its deadline resolved) and evaluates it again only when its version changes.
+:class:`KeptBacklog` and :class:`Evaluations` are pure: a worker keeps the waiting runs between
+polls (a full read now and then, Prefect's flow-run events for what changed in between) and what
+each run was evaluated to (templated, parsed, its deadline resolved), evaluated again only when
+its version changes.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Awaitable, Callable, Hashable, Iterable
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
@@ -81,46 +84,151 @@ async def page_through(after: PageAfter, at: PageAt, size: int) -> list[WorkerFl
         cursor = last
 
 
-async def read_backlog(client: PrefectClient, pool: str, queues: Iterable[str],
-                       scheduled_before: datetime) -> list[WorkerFlowRunResponse]:
-    """Every scheduled run of ``pool``'s ``queues`` due by ``scheduled_before``, through Prefect's worker
-    endpoint (which also marks the queues and their deployments ready, as a stock worker's poll does)."""
+async def worker_page(client: PrefectClient, pool: str, queues: list[str], scheduled_before: datetime | None,
+                      scheduled_after: datetime | None = None) -> list[WorkerFlowRunResponse]:
+    """One page of the pool's scheduled runs from Prefect's worker endpoint, in order of scheduled time
+    (the read also marks the queues and their deployments ready, as a stock worker's poll does)."""
     from prefect.client.schemas.responses import WorkerFlowRunResponse
 
+    body: dict[str, Any] = {"work_queue_names": queues, "limit": PREFECT_API_DEFAULT_LIMIT.value()}
+    if scheduled_before is not None:
+        body["scheduled_before"] = str(scheduled_before)
+    if scheduled_after is not None:
+        body["scheduled_after"] = str(scheduled_after)
+    try:
+        response = await client.request("POST", "/work_pools/{name}/get_scheduled_flow_runs",
+                                        path_params={"name": pool}, json=body)
+    except Exception as exc:
+        if getattr(getattr(exc, "response", None), "status_code", None) == 404:
+            return []  # the pool or queue is gone: nothing waits in it
+        raise
+    return WorkerFlowRunResponse.model_validate_list(response.json())
+
+
+def as_worker_responses(runs: Iterable[Any]) -> list[WorkerFlowRunResponse]:
+    """Flow runs read through the flow-run filter, in the worker endpoint's shape."""
+    from prefect.client.schemas.responses import WorkerFlowRunResponse
+
+    return [WorkerFlowRunResponse(work_pool_id=run.work_pool_id or UUID(int=0),
+                                  work_queue_id=run.work_queue_id or UUID(int=0), flow_run=run) for run in runs]
+
+
+async def read_backlog(client: PrefectClient, pool: str, queues: Iterable[str],
+                       scheduled_before: datetime | None) -> list[WorkerFlowRunResponse]:
+    """Every scheduled run of ``pool``'s ``queues`` due by ``scheduled_before`` (None: whenever due),
+    through Prefect's worker endpoint."""
     size = PREFECT_API_DEFAULT_LIMIT.value()
     found: list[WorkerFlowRunResponse] = []
     for queue in queues:
         async def after(cursor: datetime | None, queue: str = queue) -> list[WorkerFlowRunResponse]:
-            body: dict[str, Any] = {"work_queue_names": [queue], "scheduled_before": str(scheduled_before),
-                                    "limit": size}
-            if cursor is not None:
-                body["scheduled_after"] = str(cursor)
-            try:
-                response = await client.request("POST", "/work_pools/{name}/get_scheduled_flow_runs",
-                                                path_params={"name": pool}, json=body)
-            except Exception as exc:
-                if getattr(getattr(exc, "response", None), "status_code", None) == 404:
-                    return []  # the pool or queue is gone: nothing waits in it
-                raise
-            return WorkerFlowRunResponse.model_validate_list(response.json())
+            return await worker_page(client, pool, [queue], scheduled_before, cursor)
 
         async def at(moment: datetime, offset: int, queue: str = queue) -> list[WorkerFlowRunResponse]:
-            runs = await client.read_flow_runs(
+            return as_worker_responses(await client.read_flow_runs(
                 flow_run_filter=FlowRunFilter(
                     state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.SCHEDULED])),
                     work_queue_name=FlowRunFilterWorkQueueName(any_=[queue]),
                     next_scheduled_start_time=FlowRunFilterNextScheduledStartTime(before_=moment, after_=moment)),
                 work_pool_filter=WorkPoolFilter(name=WorkPoolFilterName(any_=[pool])),
-                sort=FlowRunSort.ID_DESC, limit=size, offset=offset)
-            return [WorkerFlowRunResponse(work_pool_id=run.work_pool_id or UUID(int=0),
-                                          work_queue_id=run.work_queue_id or UUID(int=0), flow_run=run)
-                    for run in runs]
+                sort=FlowRunSort.ID_DESC, limit=size, offset=offset))
 
         try:
             found += await page_through(after, at, size)
         except ObjectNotFound:
             continue
     return found
+
+
+async def read_waiting_ids(client: PrefectClient, pool: str, ids: list[UUID]) -> list[WorkerFlowRunResponse]:
+    """Those of ``ids`` that are scheduled runs of ``pool`` now, read in pages of the server's limit."""
+    from prefect.client.schemas.filters import FlowRunFilterId
+
+    size = PREFECT_API_DEFAULT_LIMIT.value()
+    found: list[WorkerFlowRunResponse] = []
+    for first in range(0, len(ids), size):
+        found += as_worker_responses(await client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(
+                id=FlowRunFilterId(any_=ids[first:first + size]),
+                state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.SCHEDULED]))),
+            work_pool_filter=WorkPoolFilter(name=WorkPoolFilterName(any_=[pool])), limit=size))
+    return found
+
+
+class KeptBacklog:
+    """A pool's waiting runs kept between polls, and which of them to read again.
+
+    A full read (:meth:`replace`) gives every waiting run. Between full reads, Prefect's flow-run
+    events (:meth:`changed`) say which runs changed, and those are read again (:meth:`to_read`, then
+    :meth:`confirm`): an event is only a hint, so one that comes late, twice (a rejoined stream
+    replays the last minute) or forged costs a read and changes nothing by itself. A change not
+    newer than a kept run's state is ignored, as is Prefect renaming a kept run Late.
+
+    A full read takes a while and runs change meanwhile: it replaces the kept runs except what is
+    known to be newer than its start, runs confirmed since (kept) and runs that left since (left
+    out). Times are the caller's monotonic seconds.
+    """
+
+    def __init__(self) -> None:
+        self._runs: dict[UUID, tuple[float, WorkerFlowRunResponse]] = {}  # run -> (read at, response)
+        self._left: dict[UUID, float] = {}  # run -> when it was seen to wait no more
+        self._to_read: set[UUID] = set()
+        self.complete = False  # whether a full read was taken in (and no change missed since)
+
+    def runs(self) -> list[WorkerFlowRunResponse]:
+        """Every kept waiting run."""
+        return [response for _, response in self._runs.values()]
+
+    def replace(self, responses: Iterable[WorkerFlowRunResponse], began: float) -> None:
+        """Take in a full read that began at ``began``."""
+        fresh = {r.flow_run.id: (began, r) for r in responses if self._left.get(r.flow_run.id, -math.inf) < began}
+        fresh.update((run_id, kept) for run_id, kept in self._runs.items() if kept[0] >= began)
+        self._runs = fresh
+        # A run that left before this read began is not in it: the mark has said what it could.
+        self._left = {run_id: at for run_id, at in self._left.items() if at >= began}
+        self.complete = True
+
+    def changed(self, run_id: UUID, state_type: str, state_name: str, state_at: datetime | None, now: float) -> None:
+        """A flow-run event, noted at ``now``: ``run_id`` entered a state of ``state_type`` and ``state_name`` at
+        ``state_at``."""
+        kept = self._runs.get(run_id)
+        if kept is None:
+            if state_type == StateType.SCHEDULED.value:
+                self._to_read.add(run_id)  # perhaps newly waiting
+            else:
+                # Not waiting now: a read already under way may still have seen it waiting.
+                self._left[run_id] = now
+            return
+        state = kept[1].flow_run.state
+        if state is not None and state_at is not None and state_at <= state.timestamp:
+            return  # no newer than what is kept
+        if state_type == StateType.SCHEDULED.value and state_name == "Late":
+            return  # the same run, renamed: nothing it asks changed
+        self._to_read.add(run_id)
+
+    def drop(self, run_id: UUID, now: float) -> None:
+        """``run_id`` is no longer waiting (taken, refused, ended)."""
+        self._runs.pop(run_id, None)
+        self._left[run_id] = now
+
+    def to_read(self) -> list[UUID]:
+        """The runs to read again (an event said they changed); given once, then forgotten."""
+        ids, self._to_read = sorted(self._to_read), set()
+        return ids
+
+    def confirm(self, responses: Iterable[WorkerFlowRunResponse], began: float, asked: Iterable[UUID] = ()) -> None:
+        """Take in runs read by a read that began at ``began``: the scheduled ones are kept (unless seen to
+        leave since), and any of ``asked`` not among them is no longer waiting."""
+        found = set()
+        for response in responses:
+            found.add(response.flow_run.id)
+            if self._left.get(response.flow_run.id, -math.inf) < began:
+                self._runs[response.flow_run.id] = (began, response)
+        for run_id in asked:
+            if run_id not in found:
+                self.drop(run_id, began)
+
+    def __len__(self) -> int:
+        return len(self._runs)
 
 
 class Evaluations(Generic[T]):

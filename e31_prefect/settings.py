@@ -76,6 +76,11 @@ class E31Settings(BaseSettings):
     watch_seconds: float = Field(
         default=2.0, description="How often a running run's state is read, to stop it when cancelled."
     )
+    backlog_heal_seconds: float = Field(
+        default=300.0, gt=0,
+        description="How often a pool's worker reads its whole backlog again, in the background; between those "
+        "reads Prefect's flow-run events say which waiting runs changed.",
+    )
     keep_workspaces: bool = Field(
         default=False, description="Keep each run's workspace after release (for debugging)."
     )

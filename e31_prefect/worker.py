@@ -38,6 +38,7 @@ from prefect_docker.worker import DockerWorker, DockerWorkerJobConfiguration
 from pydantic import Field, PrivateAttr, create_model
 
 from e31_prefect import backlog, endings, inventories, quotas, reporting, timing
+from e31_prefect.backlog_watch import WatchedBacklog
 from e31_prefect.blocks import E31Storage
 from e31_prefect.flow_shards import FLOW_SHARDS_ENTRYPOINT
 from e31_prefect.inventory import Inventory, discover
@@ -247,6 +248,8 @@ class E31Worker(DockerWorker):
         self._only_flow_run_ids = only_flow_run_ids
         self._stopping = False
         self._serving = False  # a pool's worker (`prefect worker start`), which adopts what dead workers left
+        self._follows_events = False  # a pool's worker that polls more than once keeps its backlog between polls
+        self.backlog_watch: WatchedBacklog | None = None
         self._owners: dict[UUID, int] = {}  # ledger owner locks of runs taken but not yet lived
 
     # -- starting and stopping --------------------------------------------------------------------
@@ -270,6 +273,7 @@ class E31Worker(DockerWorker):
                 main.cancel()
 
         self._serving = True
+        self._follows_events = not (args[0] if args else kwargs.get("run_once", False))
         installed = []
         for sig in signals:
             with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):  # not the main thread
@@ -293,6 +297,22 @@ class E31Worker(DockerWorker):
         except Exception as exc:  # the worker runs jobs without it; only the UI's block catalog misses it
             self._logger.warning("Could not register the E31 Storage block type: %s", exc)
         self.adopt_orphans()
+
+    async def teardown(self, *exc_info: Any) -> None:
+        """Stop following the pool's events, then Prefect's teardown."""
+        if self.backlog_watch is not None:
+            self.backlog_watch.close()
+            self.backlog_watch = None
+        await super().teardown(*exc_info)
+
+    async def follow_backlog(self) -> None:
+        """Keep the pool's backlog between polls from its flow-run events (:mod:`e31_prefect.backlog_watch`);
+        returns once the events are followed, or could not be (then each poll reads the whole backlog)."""
+        if self.backlog_watch is not None or self._work_pool is None or self._runs_task_group is None:
+            return
+        self.backlog_watch = WatchedBacklog(self.client, self._work_pool_name, self._work_pool.id,
+                                            self.settings.backlog_heal_seconds, self._logger)
+        await self._runs_task_group.start(self.backlog_watch.follow)
 
     async def _sync_and_initialize(self) -> None:
         await super()._sync_and_initialize()
@@ -362,6 +382,8 @@ class E31Worker(DockerWorker):
             return []
 
     async def _poll(self) -> list[FlowRun]:
+        if self._follows_events and self._only_flow_run_ids is None:
+            await self.follow_backlog()
         queues = await self._pool_queues()
         responses = await self._backlog(queues)
         self._last_polled_time = datetime.now(timezone.utc)
@@ -378,6 +400,8 @@ class E31Worker(DockerWorker):
         decision = decide(self.queue, self.inventory.free(), now, busy)
         for run in decision.missed:
             await self._refuse_missed(by_id[run.id].flow_run, *waiting[run.id][1:], run.latest_start, now)
+            if self.backlog_watch is not None:
+                self.backlog_watch.drop(run.id)
         chosen: list[WorkerFlowRunResponse] = []
         for run, devices in decision.start:
             if self.inventory.hold(run.id, devices):
@@ -388,6 +412,8 @@ class E31Worker(DockerWorker):
         for response in chosen:
             if response.flow_run.id not in submitted:  # Prefect's limiter (--limit) said no: hold nothing for it
                 self.return_devices(response.flow_run.id)
+            elif self.backlog_watch is not None:
+                self.backlog_watch.drop(response.flow_run.id)
         return [response.flow_run for response in chosen if response.flow_run.id in submitted]
 
     async def read_waiting(self) -> dict[UUID, tuple[WaitingRun, str, str]]:
@@ -401,15 +427,30 @@ class E31Worker(DockerWorker):
                 for r in responses}
 
     async def _backlog(self, queues: dict[UUID, WorkQueue] | None) -> list[WorkerFlowRunResponse]:
-        """Every due run of the pool's (or this worker's) work queues, page by page (:mod:`e31_prefect.backlog`).
+        """Every due run of the pool's (or this worker's) work queues: kept between polls where the pool's
+        events are followed (:mod:`e31_prefect.backlog_watch`), else read page by page (:mod:`e31_prefect.backlog`).
 
         Without the pool's queues (their read failed) it is Prefect's own single page, as a stock worker reads.
+        Prefect's worker endpoint gives nothing of a paused queue or pool and caps a queue or pool with a
+        concurrency limit at its free slots; such queues (few runs by their limit) are read whole on each poll.
         """
         if queues is None and not self._work_queues:
             return await self._get_scheduled_flow_runs()
         names = sorted(self._work_queues) if self._work_queues else [queue.name for queue in queues.values()]
         due_by = datetime.now(timezone.utc) + timedelta(seconds=int(self._prefetch_seconds))
-        return await backlog.read_backlog(self.client, self._work_pool_name, names, due_by)
+        pool = self._work_pool
+        watch = self.backlog_watch
+        if watch is None or queues is None or pool is None or pool.concurrency_limit is not None:
+            return await backlog.read_backlog(self.client, self._work_pool_name, names, due_by)
+        if pool.is_paused:
+            return []
+        by_name = {queue.name: queue for queue in queues.values()}
+        limited = [name for name in names if name in by_name and by_name[name].concurrency_limit is not None]
+        kept = [name for name in names if name in by_name and name not in limited and not by_name[name].is_paused]
+        found = await watch.runs(kept, due_by) if kept else []
+        if limited:
+            found += await backlog.read_backlog(self.client, self._work_pool_name, limited, due_by)
+        return found
 
     async def _waiting_runs(self, flow_runs: list[FlowRun], queues: dict[UUID, WorkQueue] | None = None,
                             ) -> dict[UUID, tuple[WaitingRun, str, str | None]]:

@@ -9,7 +9,7 @@ import asyncio
 import time
 from datetime import datetime, timedelta
 from pathlib import Path
-from uuid import UUID
+from uuid import UUID, uuid4
 
 import pytest
 from prefect import get_client
@@ -22,6 +22,7 @@ from prefect.client.schemas.filters import (
 from prefect.client.schemas.objects import StateType
 from prefect.states import Scheduled
 
+from e31_prefect.settings import E31Settings
 from e31_prefect.worker import E31Worker
 from tests.integration.conftest import cli, flow_run_id
 from tests.integration.test_jobs_end_to_end import MARK_FLOW, mark_job, read_run, write_job
@@ -95,6 +96,58 @@ def test_a_poll_evaluates_again_only_the_runs_that_changed(prefect_server, tmp_p
     assert sorted(first) == sorted(ids)
     assert unchanged == []
     assert one_changed == [ids[2]]
+
+
+def test_a_pools_worker_keeps_its_backlog_and_learns_of_a_new_urgent_run_from_prefects_events(
+        prefect_server, tmp_path: Path, pool):
+    relaxed = mark_job(tmp_path / "relaxed", "relaxed", deadline="+8h")
+    submitted = cli("e31", "submit", str(relaxed), "--pool", pool)
+    assert submitted.returncode == 0, submitted.stderr
+    with get_client(sync_client=True) as client:
+        deployment_id = client.read_flow_run(flow_run_id(submitted.stdout)).deployment_id
+        for _ in range(BACKLOG - 1):
+            client.create_flow_run_from_deployment(deployment_id)
+    urgent = mark_job(tmp_path / "urgent", "urgent", deadline="+30m")
+    settings = E31Settings(gpus="1xH100", device_locks=tmp_path / "locks", home=tmp_path / "e31",
+                           backlog_heal_seconds=3600)  # no full read again during the test: events or nothing
+
+    async def serve() -> tuple[list[str], list[UUID], UUID]:
+        async with E31Worker(work_pool_name=pool, settings=settings) as worker:
+            elsewhere = uuid4()
+            assert worker.inventory.hold(elsewhere, worker.inventory.free())  # its one GPU busy for now
+            await worker.follow_backlog()
+            assert worker.backlog_watch is not None and worker.backlog_watch.following
+            assert await worker.get_and_submit_flow_runs() == []  # the first poll reads the whole backlog
+            asked: list[str] = []
+
+            async def note(request) -> None:
+                asked.append(f"{request.method} {request.url.path}")
+
+            worker.client._client.event_hooks["request"].append(note)
+            assert await worker.get_and_submit_flow_runs() == []
+            second_poll = list(asked)
+            done = await asyncio.to_thread(cli, "e31", "submit", str(urgent), "--pool", pool)
+            assert done.returncode == 0, done.stderr
+            urgent_id = flow_run_id(done.stdout)
+            deadline = time.monotonic() + 60
+            while urgent_id not in {r.flow_run.id for r in worker.backlog_watch.kept.runs()}:
+                assert time.monotonic() < deadline, "the new run's event never came"
+                assert await worker.get_and_submit_flow_runs() == []
+                await asyncio.sleep(0.5)
+            worker.inventory.give_back(elsewhere)
+            started = await worker.get_and_submit_flow_runs()
+            return second_poll, [run.id for run in started], urgent_id
+
+    second_poll, started, urgent_id = asyncio.run(serve())
+    # With every run evaluated and nothing changed, a poll reads one page, as Prefect's own worker does, not
+    # the backlog's two.
+    assert [path for path in second_poll if "flow_runs" in path] == \
+        [f"POST /api/work_pools/{pool}/get_scheduled_flow_runs"], second_poll
+    # Submitted after the whole backlog was read and behind a full page of earlier runs, the urgent run is
+    # known from its event and starts first.
+    assert started == [urgent_id]
+    assert read_run(urgent_id).state.is_completed()
+    assert (tmp_path / "urgent" / "out" / "ran").exists()
 
 
 def wait_until_late(ids: list[UUID], timeout: float = 120) -> None:

@@ -10,7 +10,7 @@ from uuid import UUID, uuid4
 
 import pytest
 
-from e31_prefect.backlog import Evaluations, page_through
+from e31_prefect.backlog import Evaluations, KeptBacklog, page_through
 
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
 
@@ -91,3 +91,136 @@ def test_runs_gone_from_the_backlog_are_forgotten():
     kept.retain(["b"])
     assert len(kept) == 1
     assert kept.get("a", 0) is None and kept.get("b", 0) == 1
+
+
+# -- the backlog kept between polls ----------------------------------------------------------------
+
+def run_response(run_id: UUID, state_type: str, at: float, name: str = "Scheduled") -> SimpleNamespace:
+    """A run as a read gives it: its state's type, name and time (seconds after T0)."""
+    state = SimpleNamespace(type=SimpleNamespace(value=state_type), name=name, timestamp=T0 + timedelta(seconds=at))
+    return SimpleNamespace(flow_run=SimpleNamespace(id=run_id, state=state))
+
+
+class Pool:
+    """A pool's runs as the server holds them, each change an event delivered later (perhaps twice, out of
+    order); reads of it as the worker makes them (a read sees each run at some moment while it lasts)."""
+
+    def __init__(self, rng: random.Random):
+        self.rng = rng
+        self.now = 0.0
+        self.runs: dict[UUID, tuple[str, str, float]] = {}  # run -> (state type, name, since)
+        self.history: dict[UUID, list[tuple[float, str, str]]] = {}
+        self.events: list[tuple[float, UUID, str, str, float]] = []  # (delivered at, run, type, name, at)
+
+    def set(self, run_id: UUID, state_type: str, name: str) -> None:
+        self.now += 1
+        self.runs[run_id] = (state_type, name, self.now)
+        self.history.setdefault(run_id, []).append((self.now, state_type, name))
+        for _ in range(2 if self.rng.random() < 0.2 else 1):
+            self.events.append((self.now + self.rng.uniform(0, 8), run_id, state_type, name, self.now))
+
+    def seen(self, run_id: UUID, at: float) -> tuple[str, str, float] | None:
+        """The run's state as a read at ``at`` saw it."""
+        past = [entry for entry in self.history.get(run_id, []) if entry[0] <= at]
+        return (past[-1][1], past[-1][2], past[-1][0]) if past else None
+
+    def read(self, began: float, ended: float, ids: list[UUID] | None = None) -> list[SimpleNamespace]:
+        """The scheduled runs (of ``ids``, or all) as a read lasting from ``began`` to ``ended`` saw them."""
+        found = []
+        for run_id in (ids if ids is not None else list(self.history)):
+            state = self.seen(run_id, self.rng.uniform(began, ended))
+            if state is not None and state[0] == "SCHEDULED":
+                found.append(run_response(run_id, state[0], state[2], state[1]))
+        return found
+
+    def deliver(self, backlog: KeptBacklog, until: float) -> None:
+        due = [event for event in self.events if event[0] <= until]
+        self.events = [event for event in self.events if event[0] > until]
+        for _, run_id, state_type, name, at in sorted(due, key=lambda e: (e[0], self.rng.random())):
+            backlog.changed(run_id, state_type, name, T0 + timedelta(seconds=at), until)
+
+    def waiting(self) -> set[UUID]:
+        return {run_id for run_id, (state_type, _, _) in self.runs.items() if state_type == "SCHEDULED"}
+
+
+def poll(pool: Pool, backlog: KeptBacklog, ended: float) -> None:
+    """A poll's reads (after the events that came before it): the runs an event said changed, each seen at
+    some moment of the read."""
+    pool.now += 0.001
+    began = pool.now
+    changed = backlog.to_read()
+    backlog.confirm(pool.read(began, ended, changed), began, asked=changed)
+
+
+@pytest.mark.parametrize("seed", range(300))
+def test_the_kept_backlog_is_the_pools_once_every_event_has_come(seed: int):
+    rng = random.Random(seed)
+    pool, backlog = Pool(rng), KeptBacklog()
+    heal: tuple[float, float] | None = None  # a full read under way: (began, ends at)
+    backlog.replace([], 0.0)
+    for _ in range(rng.randint(1, 120)):
+        action = rng.random()
+        if action < 0.25 or not pool.runs:
+            pool.set(uuid4(), "SCHEDULED", "Scheduled")
+        elif action < 0.6:
+            run_id = rng.choice(list(pool.runs))
+            state_type, name, _ = pool.runs[run_id]
+            if state_type == "SCHEDULED":
+                pool.set(run_id, *rng.choice([("PENDING", "Pending"), ("SCHEDULED", "Late"), ("CANCELLED", "Cancelled"),
+                                              ("SCHEDULED", "Scheduled")]))  # the last: moved to another time
+                if pool.runs[run_id][0] == "PENDING" and rng.random() < 0.5:
+                    backlog.drop(run_id, pool.now)  # this worker took it
+            elif state_type == "PENDING":
+                pool.set(run_id, *rng.choice([("RUNNING", "Running"), ("SCHEDULED", "Scheduled")]))
+            elif state_type == "RUNNING":
+                pool.set(run_id, *rng.choice([("COMPLETED", "Completed"), ("SCHEDULED", "AwaitingRetry")]))
+        elif action < 0.8:
+            pool.deliver(backlog, pool.now)
+            poll(pool, backlog, pool.now + rng.uniform(0, 2))
+        elif heal is None:
+            heal = (pool.now, pool.now + rng.uniform(0, 10))
+        if heal is not None and pool.now >= heal[1]:
+            backlog.replace(pool.read(*heal), heal[0])
+            heal = None
+        pool.now += rng.uniform(0, 1)
+    pool.now += 100  # every event has come by then
+    pool.deliver(backlog, pool.now)
+    poll(pool, backlog, pool.now)
+    assert {r.flow_run.id for r in backlog.runs()} == pool.waiting()
+    for response in backlog.runs():  # each as it now asks: read since its last change (a rename to Late aside)
+        changes = [at for at, _, name in pool.history[response.flow_run.id] if name != "Late"]
+        assert response.flow_run.state.timestamp >= T0 + timedelta(seconds=changes[-1])
+
+
+def test_a_late_or_replayed_event_of_a_kept_run_reads_nothing_again():
+    backlog, run_id = KeptBacklog(), uuid4()
+    backlog.replace([run_response(run_id, "SCHEDULED", 10)], 0.0)
+    backlog.changed(run_id, "SCHEDULED", "Scheduled", T0 + timedelta(seconds=10), 1.0)  # replayed
+    backlog.changed(run_id, "PENDING", "Pending", T0 + timedelta(seconds=5), 1.0)  # older than what is kept
+    backlog.changed(run_id, "SCHEDULED", "Late", T0 + timedelta(seconds=20), 1.0)  # renamed only
+    assert backlog.to_read() == []
+    backlog.changed(run_id, "PENDING", "Pending", T0 + timedelta(seconds=30), 2.0)
+    assert backlog.to_read() == [run_id]
+    assert backlog.to_read() == []  # given once
+
+
+def test_an_event_is_a_hint_a_read_decides():
+    backlog, run_id = KeptBacklog(), uuid4()
+    backlog.replace([run_response(run_id, "SCHEDULED", 10)], 0.0)
+    backlog.changed(run_id, "PENDING", "Pending", T0 + timedelta(seconds=30), 1.0)  # forged, say
+    changed = backlog.to_read()
+    backlog.confirm([run_response(run_id, "SCHEDULED", 10)], 2.0, asked=changed)  # the server says it waits
+    assert [r.flow_run.id for r in backlog.runs()] == [run_id]
+    backlog.confirm([], 3.0, asked=[run_id])
+    assert backlog.runs() == []
+
+
+def test_a_full_read_keeps_what_changed_while_it_lasted():
+    backlog = KeptBacklog()
+    started, created, kept = uuid4(), uuid4(), uuid4()
+    backlog.replace([run_response(kept, "SCHEDULED", 1), run_response(started, "SCHEDULED", 1)], 0.0)
+    # A full read begins at 10; meanwhile one run is taken here and one is created (its event read at 12).
+    backlog.drop(started, 11.0)
+    backlog.confirm([run_response(created, "SCHEDULED", 12)], 12.0)
+    backlog.replace([run_response(kept, "SCHEDULED", 1), run_response(started, "SCHEDULED", 1)], 10.0)
+    assert {r.flow_run.id for r in backlog.runs()} == {kept, created}

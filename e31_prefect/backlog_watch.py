@@ -1,0 +1,148 @@
+"""A pool's backlog kept between polls: Prefect's flow-run events say what changed, a full read now and then heals.
+
+    prefect worker start --pool gpu --type e31
+
+Ranking every waiting run means knowing every waiting run. Read whole on each poll, a backlog of
+10,000 runs is fifty pages of Prefect's worker endpoint per poll, and the poll grows with the
+backlog. Instead a pool's worker follows the pool's ``prefect.flow-run.*`` events (the websocket
+Prefect's own worker follows for cancellations) and keeps the backlog (:class:`KeptBacklog`): a poll
+reads one page of the endpoint, as Prefect's stock worker does (it marks the queues ready and
+brings the earliest runs fresh), plus the runs an event said changed; a full read at the start,
+after the event stream was lost, and every ``E31_BACKLOG_HEAL_SECONDS`` in the background mends
+whatever an event did not say. Where the stream cannot be followed, every poll reads the whole
+backlog, as before.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Sequence
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+from uuid import UUID
+
+import anyio
+from anyio.abc import TaskGroup, TaskStatus
+
+from e31_prefect.backlog import KeptBacklog, read_backlog, read_waiting_ids, worker_page
+
+if TYPE_CHECKING:
+    from prefect.client.orchestration import PrefectClient
+    from prefect.client.schemas.responses import WorkerFlowRunResponse
+    from prefect.events import Event
+
+RUN_RESOURCE = "prefect.flow-run."
+# After the stream failed for good (Prefect's subscriber retries itself first), the next try.
+RECONNECT_SECONDS = 10.0
+
+
+class WatchedBacklog:
+    """The scheduled runs of one pool, kept current by its flow-run events while they can be followed."""
+
+    def __init__(self, client: PrefectClient, pool: str, pool_id: UUID, heal_seconds: float,
+                 logger: logging.Logger | logging.LoggerAdapter[Any]):
+        self.kept = KeptBacklog()
+        self._client, self._pool, self._pool_id = client, pool, pool_id
+        self._heal_seconds = heal_seconds
+        self._log = logger
+        self.following = False  # whether the event stream is followed now (else every poll reads it all)
+        self._followed_since = math.inf  # when it was last (re)joined: a full read begun before missed changes
+        self._healed_at = -math.inf
+        self._healing = False
+        self._queues: tuple[str, ...] = ()  # the queues the kept runs were read for
+        self._scope = anyio.CancelScope()
+        self._tasks: TaskGroup | None = None
+
+    # -- following the events ---------------------------------------------------------------------
+
+    async def follow(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Follow the pool's flow-run events until :meth:`close`; started once the stream is joined (or
+        could not be, the first time)."""
+        from prefect.events.clients import get_events_subscriber
+        from prefect.events.filters import EventAnyResourceFilter, EventFilter, EventNameFilter
+
+        events_filter = EventFilter(event=EventNameFilter(prefix=[RUN_RESOURCE]),
+                                    any_resource=EventAnyResourceFilter(id=[f"prefect.work-pool.{self._pool_id}"]))
+        started = False
+        with self._scope:
+            async with anyio.create_task_group() as self._tasks:
+                while True:
+                    try:
+                        async with get_events_subscriber(filter=events_filter) as events:
+                            self.following, self._followed_since = True, time.monotonic()
+                            self.kept.complete = False  # what changed while not following is unknown
+                            if not started:
+                                started = True
+                                task_status.started()
+                            async for event in events:
+                                self.take(event)
+                    except Exception as exc:
+                        self._log.warning("Not following the pool's flow-run events (%s: %s); each poll reads "
+                                          "the whole backlog until they are followed again", type(exc).__name__, exc)
+                    self.following = False
+                    if not started:
+                        started = True
+                        task_status.started()
+                    await anyio.sleep(RECONNECT_SECONDS)
+
+    def take(self, event: Event) -> None:
+        """Note one flow-run event in the kept backlog; a malformed one is ignored (the next full read mends)."""
+        resource = event.resource
+        if not resource.id.startswith(RUN_RESOURCE):
+            return
+        try:
+            run_id = UUID(resource.id.removeprefix(RUN_RESOURCE))
+            stamp = resource.get("prefect.state-timestamp")
+            at = datetime.fromisoformat(stamp) if stamp else None
+        except ValueError:
+            return
+        self.kept.changed(run_id, resource.get("prefect.state-type") or "", resource.get("prefect.state-name") or "",
+                          at, time.monotonic())
+
+    def close(self) -> None:
+        """Stop following and healing."""
+        self._scope.cancel()
+        self.following = False
+
+    # -- the poll's read ---------------------------------------------------------------------------
+
+    async def runs(self, queues: Sequence[str], due_by: datetime) -> list[WorkerFlowRunResponse]:
+        """The scheduled runs of ``queues`` due by ``due_by``: the kept ones, brought up to date."""
+        queues = tuple(sorted(queues))
+        if not self.following:
+            return await read_backlog(self._client, self._pool, queues, due_by)
+        began = time.monotonic()
+        if not self.kept.complete or queues != self._queues:
+            self._queues = queues
+            self.kept.replace(await read_backlog(self._client, self._pool, queues, None), began)
+            self._healed_at = began
+        elif began - self._healed_at >= self._heal_seconds and not self._healing and self._tasks is not None:
+            self._healing = True
+            self._tasks.start_soon(self._heal, queues)
+        self.kept.confirm(await worker_page(self._client, self._pool, list(queues), due_by), began)
+        changed = self.kept.to_read()
+        if changed:
+            began = time.monotonic()
+            self.kept.confirm(await read_waiting_ids(self._client, self._pool, changed), began, asked=changed)
+        return [r for r in self.kept.runs() if r.flow_run.work_queue_name in queues
+                and (r.flow_run.next_scheduled_start_time is None or r.flow_run.next_scheduled_start_time <= due_by)]
+
+    async def _heal(self, queues: tuple[str, ...]) -> None:
+        began = time.monotonic()
+        try:
+            responses = await read_backlog(self._client, self._pool, queues, None)
+        except Exception as exc:
+            self._log.warning("Reading the whole backlog failed (%s: %s); the next poll tries again",
+                              type(exc).__name__, exc)
+            return
+        finally:
+            self._healing = False
+        if queues == self._queues and began >= self._followed_since:
+            self.kept.replace(responses, began)
+            self._healed_at = began
+
+    def drop(self, run_id: UUID) -> None:
+        """``run_id`` was taken or refused here: it waits no more."""
+        self.kept.drop(run_id, time.monotonic())
