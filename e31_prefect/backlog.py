@@ -21,7 +21,7 @@ its version changes.
 from __future__ import annotations
 
 import math
-from collections.abc import Awaitable, Callable, Hashable, Iterable
+from collections.abc import Awaitable, Callable, Hashable, Iterable, Mapping
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 from uuid import UUID
@@ -103,6 +103,18 @@ async def worker_page(client: PrefectClient, pool: str, queues: list[str], sched
             return []  # the pool or queue is gone: nothing waits in it
         raise
     return WorkerFlowRunResponse.model_validate_list(response.json())
+
+
+def with_queue_names(responses: list[WorkerFlowRunResponse], names: Mapping[UUID, str]) -> list[WorkerFlowRunResponse]:
+    """``responses``, each flow run given its work queue's name from ``names`` (queue id to name).
+
+    Prefect's worker endpoint leaves a flow run's ``work_queue_name`` empty, and a run's queue says
+    its team (``E31_QUEUE_TEAMS``) and which kept runs a poll of some queues gives.
+    """
+    for response in responses:
+        if response.flow_run.work_queue_name is None and response.work_queue_id in names:
+            response.flow_run.work_queue_name = names[response.work_queue_id]
+    return responses
 
 
 def as_worker_responses(runs: Iterable[Any]) -> list[WorkerFlowRunResponse]:

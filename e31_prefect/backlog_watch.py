@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 from uuid import UUID
@@ -26,7 +26,7 @@ from uuid import UUID
 import anyio
 from anyio.abc import TaskGroup, TaskStatus
 
-from e31_prefect.backlog import KeptBacklog, read_backlog, read_waiting_ids, worker_page
+from e31_prefect.backlog import KeptBacklog, read_backlog, read_waiting_ids, with_queue_names, worker_page
 
 if TYPE_CHECKING:
     from prefect.client.orchestration import PrefectClient
@@ -108,9 +108,10 @@ class WatchedBacklog:
 
     # -- the poll's read ---------------------------------------------------------------------------
 
-    async def runs(self, queues: Sequence[str], due_by: datetime) -> list[WorkerFlowRunResponse]:
-        """The scheduled runs of ``queues`` due by ``due_by``: the kept ones, brought up to date."""
-        queues = tuple(sorted(queues))
+    async def runs(self, names: Mapping[UUID, str], due_by: datetime) -> list[WorkerFlowRunResponse]:
+        """The scheduled runs of the queues ``names`` (queue id to name) due by ``due_by``: the kept ones,
+        brought up to date, each with its queue's name."""
+        queues = tuple(sorted(names.values()))
         if not self.following:
             return await read_backlog(self._client, self._pool, queues, due_by)
         began = time.monotonic()
@@ -126,8 +127,8 @@ class WatchedBacklog:
         if changed:
             began = time.monotonic()
             self.kept.confirm(await read_waiting_ids(self._client, self._pool, changed), began, asked=changed)
-        return [r for r in self.kept.runs() if r.flow_run.work_queue_name in queues
-                and (r.flow_run.next_scheduled_start_time is None or r.flow_run.next_scheduled_start_time <= due_by)]
+        return with_queue_names([r for r in self.kept.runs() if r.work_queue_id in names and (
+            r.flow_run.next_scheduled_start_time is None or r.flow_run.next_scheduled_start_time <= due_by)], names)
 
     async def _heal(self, queues: tuple[str, ...]) -> None:
         began = time.monotonic()

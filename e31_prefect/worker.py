@@ -440,16 +440,20 @@ class E31Worker(DockerWorker):
         due_by = datetime.now(timezone.utc) + timedelta(seconds=int(self._prefetch_seconds))
         pool = self._work_pool
         watch = self.backlog_watch
+        queue_names = {queue.id: queue.name for queue in (queues or {}).values()}
         if watch is None or queues is None or pool is None or pool.concurrency_limit is not None:
-            return await backlog.read_backlog(self.client, self._work_pool_name, names, due_by)
+            return backlog.with_queue_names(
+                await backlog.read_backlog(self.client, self._work_pool_name, names, due_by), queue_names)
         if pool.is_paused:
             return []
         by_name = {queue.name: queue for queue in queues.values()}
         limited = [name for name in names if name in by_name and by_name[name].concurrency_limit is not None]
-        kept = [name for name in names if name in by_name and name not in limited and not by_name[name].is_paused]
+        kept = {by_name[name].id: name for name in names
+                if name in by_name and name not in limited and not by_name[name].is_paused}
         found = await watch.runs(kept, due_by) if kept else []
         if limited:
-            found += await backlog.read_backlog(self.client, self._work_pool_name, limited, due_by)
+            found += backlog.with_queue_names(
+                await backlog.read_backlog(self.client, self._work_pool_name, limited, due_by), queue_names)
         return found
 
     async def _waiting_runs(self, flow_runs: list[FlowRun], queues: dict[UUID, WorkQueue] | None = None,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from datetime import datetime, timedelta
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from uuid import UUID, uuid4
 
@@ -16,10 +16,12 @@ from prefect import get_client
 from prefect.client.schemas.filters import (
     FlowRunFilter,
     FlowRunFilterDeploymentId,
+    FlowRunFilterNextScheduledStartTime,
     FlowRunFilterState,
     FlowRunFilterStateType,
 )
 from prefect.client.schemas.objects import StateType
+from prefect.client.schemas.schedules import IntervalSchedule
 from prefect.states import Scheduled
 
 from e31_prefect.settings import E31Settings
@@ -31,6 +33,29 @@ pytestmark = pytest.mark.integration
 
 BACKLOG = 250  # more than the server's page (PREFECT_SERVER_API_DEFAULT_LIMIT, 200)
 
+def make_runs(deployment_id: UUID, count: int) -> None:
+    """``count`` more runs of the deployment, all due, one a second over the past minutes, made in one call by
+    Prefect's backfill route (the scheduler's bulk insert) from an interval schedule added for it: one by one,
+    a few hundred runs take minutes of a loaded server. The schedule is then paused, not deleted: deleting it
+    deletes the runs it made."""
+    now = datetime.now(timezone.utc)
+    start = now - timedelta(seconds=count + 30)
+    due = FlowRunFilter(deployment_id=FlowRunFilterDeploymentId(any_=[deployment_id]),
+                        state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.SCHEDULED])),
+                        next_scheduled_start_time=FlowRunFilterNextScheduledStartTime(before_=now))
+    with get_client(sync_client=True) as client:
+        before = client.count_flow_runs(flow_run_filter=due)
+        schedule, = client.create_deployment_schedules(
+            deployment_id, [(IntervalSchedule(interval=timedelta(seconds=1), anchor_date=start), True)])
+        try:
+            client.request("POST", "/deployments/{id}/schedule", path_params={"id": deployment_id},
+                           json={"start_time": start.isoformat(), "end_time": now.isoformat(), "max_runs": count})
+        finally:
+            client.update_deployment_schedule(deployment_id, schedule.id, active=False)
+        made = client.count_flow_runs(flow_run_filter=due) - before
+    assert made == count, f"the backfill made {made} runs, not {count}"
+
+
 def test_a_run_submitted_behind_a_full_page_with_the_earliest_deadline_starts_first(prefect_server, tmp_path: Path,
                                                                                       pool):
     relaxed = mark_job(tmp_path / "relaxed", "relaxed", deadline="+8h")
@@ -39,8 +64,7 @@ def test_a_run_submitted_behind_a_full_page_with_the_earliest_deadline_starts_fi
     assert submitted.returncode == 0, submitted.stderr
     with get_client(sync_client=True) as client:
         deployment_id = client.read_flow_run(flow_run_id(submitted.stdout)).deployment_id
-        for _ in range(BACKLOG - 1):  # the rest of the batch, as `prefect deployment run` makes them
-            client.create_flow_run_from_deployment(deployment_id)
+    make_runs(deployment_id, BACKLOG - 1)  # the rest of the batch
     submitted = cli("e31", "submit", str(urgent), "--pool", pool)  # last: behind the whole page
     assert submitted.returncode == 0, submitted.stderr
     urgent_id = flow_run_id(submitted.stdout)
@@ -105,11 +129,11 @@ def test_a_pools_worker_keeps_its_backlog_and_learns_of_a_new_urgent_run_from_pr
     assert submitted.returncode == 0, submitted.stderr
     with get_client(sync_client=True) as client:
         deployment_id = client.read_flow_run(flow_run_id(submitted.stdout)).deployment_id
-        for _ in range(BACKLOG - 1):
-            client.create_flow_run_from_deployment(deployment_id)
+    make_runs(deployment_id, BACKLOG - 1)  # the rest of the batch
     urgent = mark_job(tmp_path / "urgent", "urgent", deadline="+30m")
     settings = E31Settings(gpus="1xH100", device_locks=tmp_path / "locks", home=tmp_path / "e31",
-                           backlog_heal_seconds=3600)  # no full read again during the test: events or nothing
+                           backlog_heal_seconds=3600,  # no full read again during the test: events or nothing
+                           queue_teams={"default": "vision"})
 
     async def serve() -> tuple[list[str], list[UUID], UUID]:
         async with E31Worker(work_pool_name=pool, settings=settings) as worker:
@@ -126,6 +150,8 @@ def test_a_pools_worker_keeps_its_backlog_and_learns_of_a_new_urgent_run_from_pr
             worker.client._client.event_hooks["request"].append(note)
             assert await worker.get_and_submit_flow_runs() == []
             second_poll = list(asked)
+            # Kept between polls, every waiting run is still there.
+            assert len(await worker.read_waiting()) == BACKLOG
             done = await asyncio.to_thread(cli, "e31", "submit", str(urgent), "--pool", pool)
             assert done.returncode == 0, done.stderr
             urgent_id = flow_run_id(done.stdout)
@@ -147,6 +173,7 @@ def test_a_pools_worker_keeps_its_backlog_and_learns_of_a_new_urgent_run_from_pr
     # known from its event and starts first.
     assert started == [urgent_id]
     assert read_run(urgent_id).state.is_completed()
+    assert "e31:team=vision" in read_run(urgent_id).tags  # metered to its work queue's team
     assert (tmp_path / "urgent" / "out" / "ran").exists()
 
 
