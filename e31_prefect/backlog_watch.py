@@ -15,6 +15,7 @@ backlog, as before.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
@@ -34,6 +35,8 @@ if TYPE_CHECKING:
     from prefect.events import Event
 
 RUN_RESOURCE = "prefect.flow-run."
+# A page of Prefect's worker endpoint and when its read began (monotonic seconds).
+Page = tuple[float, list["WorkerFlowRunResponse"]]
 # After the stream failed for good (Prefect's subscriber retries itself first), the next try.
 RECONNECT_SECONDS = 10.0
 
@@ -108,29 +111,44 @@ class WatchedBacklog:
 
     # -- the poll's read ---------------------------------------------------------------------------
 
-    async def runs(self, names: Mapping[UUID, str], due_by: datetime) -> list[WorkerFlowRunResponse]:
+    async def page(self, due_by: datetime) -> Page | None:
+        """Prefect's worker endpoint's page for the queues the kept runs were read for, which a poll reads
+        beside its other reads and hands to :meth:`runs`; None where :meth:`runs` reads the whole backlog."""
+        if not (self.following and self.kept.complete and self._queues):
+            return None
+        began = time.monotonic()
+        return began, await worker_page(self._client, self._pool, list(self._queues), due_by)
+
+    async def runs(self, names: Mapping[UUID, str], due_by: datetime,
+                   page: Page | None = None) -> list[WorkerFlowRunResponse]:
         """The scheduled runs of the queues ``names`` (queue id to name) due by ``due_by``: the kept ones,
-        brought up to date, each with its queue's name."""
+        brought up to date (by ``page`` where the poll read it), each with its queue's name."""
         queues = tuple(sorted(names.values()))
         if not self.following:
-            return await read_backlog(self._client, self._pool, queues, due_by)
+            return with_queue_names(await read_backlog(self._client, self._pool, queues, due_by), names)
         began = time.monotonic()
         if not self.kept.complete or queues != self._queues:
             self._queues = queues
-            self.kept.replace(await read_backlog(self._client, self._pool, queues, None), began)
+            self.kept.replace(with_queue_names(await read_backlog(self._client, self._pool, queues, None), names),
+                              began)
             self._healed_at = began
+            page = None  # read before the whole backlog, or for other queues
         elif began - self._healed_at >= self._heal_seconds and not self._healing and self._tasks is not None:
             self._healing = True
-            self._tasks.start_soon(self._heal, queues)
-        self.kept.confirm(await worker_page(self._client, self._pool, list(queues), due_by), began)
+            self._tasks.start_soon(self._heal, queues, dict(names))
         changed = self.kept.to_read()
-        if changed:
-            began = time.monotonic()
-            self.kept.confirm(await read_waiting_ids(self._client, self._pool, changed), began, asked=changed)
-        return with_queue_names([r for r in self.kept.runs() if r.work_queue_id in names and (
-            r.flow_run.next_scheduled_start_time is None or r.flow_run.next_scheduled_start_time <= due_by)], names)
+        began = time.monotonic()
+        if page is None:  # the page and the runs an event named, read at once
+            responses, reread = await asyncio.gather(worker_page(self._client, self._pool, list(queues), due_by),
+                                                     read_waiting_ids(self._client, self._pool, changed))
+            page = began, responses
+        else:
+            reread = await read_waiting_ids(self._client, self._pool, changed)
+        self.kept.confirm(with_queue_names(page[1], names), page[0])
+        self.kept.confirm(with_queue_names(reread, names), began, asked=changed)
+        return self.kept.due(names, due_by)
 
-    async def _heal(self, queues: tuple[str, ...]) -> None:
+    async def _heal(self, queues: tuple[str, ...], names: Mapping[UUID, str]) -> None:
         began = time.monotonic()
         try:
             responses = await read_backlog(self._client, self._pool, queues, None)
@@ -141,7 +159,7 @@ class WatchedBacklog:
         finally:
             self._healing = False
         if queues == self._queues and began >= self._followed_since:
-            self.kept.replace(responses, began)
+            self.kept.replace(with_queue_names(responses, names), began)
             self._healed_at = began
 
     def drop(self, run_id: UUID) -> None:

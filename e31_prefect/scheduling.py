@@ -132,7 +132,8 @@ class WaitingQueue:
     def sync(self, runs: Iterable[WaitingRun]) -> None:
         """Make the queue hold exactly ``runs``: new ones are placed, vanished ones dropped."""
         current = {run.id: run for run in runs}
-        for gone in [run_id for run_id, run in self._by_id.items() if current.get(run_id) != run]:
+        for gone in [run_id for run_id, run in self._by_id.items()
+                     if (given := current.get(run_id)) is not run and given != run]:
             self.discard(gone)
         new = [run for run_id, run in current.items() if run_id not in self._by_id]
         if len(new) > len(self._runs) // 8:
@@ -269,6 +270,9 @@ def decide(
     if refuse_missed and queue.order is urgency:
         decision.missed.extend(queue.overdue(now))  # found by bisection, so the loop below may stop early
         late = {run.id for run in decision.missed}
+    if (not refuse_missed or queue.order is urgency) and all(
+            model.earliest(1, 0.0, math.inf) is None for model in models):
+        return decision  # every device held with no known end: nothing starts, nothing can be promised
     reservations = 0
     for run in queue:
         if run.id in late:

@@ -20,6 +20,7 @@ import json
 import os
 import signal
 import socket
+from collections.abc import Iterable
 from dataclasses import replace
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -38,7 +39,7 @@ from prefect_docker.worker import DockerWorker, DockerWorkerJobConfiguration
 from pydantic import Field, PrivateAttr, create_model
 
 from e31_prefect import backlog, endings, inventories, quotas, reporting, timing
-from e31_prefect.backlog_watch import WatchedBacklog
+from e31_prefect.backlog_watch import Page, WatchedBacklog
 from e31_prefect.blocks import E31Storage
 from e31_prefect.flow_shards import FLOW_SHARDS_ENTRYPOINT
 from e31_prefect.inventory import Inventory, discover
@@ -211,6 +212,7 @@ def job_folder(deployment: DeploymentResponse | None) -> Path | None:
 
 
 LOWEST_QUEUE_PRIORITY = 2**31  # a run whose work queue is unknown goes after every known queue's
+DEPLOYMENT_READS_AT_ONCE = 8  # a backlog from many deployments reads them together, not all at one instant
 
 
 class E31WorkerResult(BaseWorkerResult):
@@ -250,6 +252,7 @@ class E31Worker(DockerWorker):
         self._serving = False  # a pool's worker (`prefect worker start`), which adopts what dead workers left
         self._follows_events = False  # a pool's worker that polls more than once keeps its backlog between polls
         self.backlog_watch: WatchedBacklog | None = None
+        self._deployments: set[UUID] = set()  # those the last poll's waiting runs came from, read with the queues
         self._owners: dict[UUID, int] = {}  # ledger owner locks of runs taken but not yet lived
 
     # -- starting and stopping --------------------------------------------------------------------
@@ -384,15 +387,20 @@ class E31Worker(DockerWorker):
     async def _poll(self) -> list[FlowRun]:
         if self._follows_events and self._only_flow_run_ids is None:
             await self.follow_backlog()
-        queues = await self._pool_queues()
-        responses = await self._backlog(queues)
+        # The queues and the deployments the last poll's runs came from, read at once: a poll waits on the
+        # server for these and for the backlog's page, not for one read after another.
+        reads = [self._pool_queues(), self._read_deployments(self._deployments)]
+        if self.backlog_watch is not None:
+            reads.append(self.backlog_watch.page(self._due_by()))
+        queues, deployments, *page = await asyncio.gather(*reads)
+        responses = await self._backlog(queues, page[0] if page else None)
         self._last_polled_time = datetime.now(timezone.utc)
         responses = [r for r in responses if r.flow_run.id not in self._submitting_flow_run_ids
                      and (self._only_flow_run_ids is None or r.flow_run.id in self._only_flow_run_ids)]
         if not responses:
             return []
         by_id = {r.flow_run.id: r for r in responses}
-        waiting = await self._waiting_runs([r.flow_run for r in responses], queues)
+        waiting = await self._waiting_runs([r.flow_run for r in responses], queues, deployments)
         now = datetime.now(timezone.utc)
         busy = [Busy(device, self.holds_until.get(holder))
                 for device, holder in self.inventory.holders().items()]
@@ -426,7 +434,12 @@ class E31Worker(DockerWorker):
         return {r.flow_run.id: (waiting[r.flow_run.id][0], r.flow_run.name, waiting[r.flow_run.id][1])
                 for r in responses}
 
-    async def _backlog(self, queues: dict[UUID, WorkQueue] | None) -> list[WorkerFlowRunResponse]:
+    def _due_by(self) -> datetime:
+        """The latest scheduled start a poll takes: now and Prefect's prefetch."""
+        return datetime.now(timezone.utc) + timedelta(seconds=int(self._prefetch_seconds))
+
+    async def _backlog(self, queues: dict[UUID, WorkQueue] | None,
+                       page: Page | None = None) -> list[WorkerFlowRunResponse]:
         """Every due run of the pool's (or this worker's) work queues: kept between polls where the pool's
         events are followed (:mod:`e31_prefect.backlog_watch`), else read page by page (:mod:`e31_prefect.backlog`).
 
@@ -437,7 +450,7 @@ class E31Worker(DockerWorker):
         if queues is None and not self._work_queues:
             return await self._get_scheduled_flow_runs()
         names = sorted(self._work_queues) if self._work_queues else [queue.name for queue in queues.values()]
-        due_by = datetime.now(timezone.utc) + timedelta(seconds=int(self._prefetch_seconds))
+        due_by = self._due_by()
         pool = self._work_pool
         watch = self.backlog_watch
         queue_names = {queue.id: queue.name for queue in (queues or {}).values()}
@@ -450,47 +463,62 @@ class E31Worker(DockerWorker):
         limited = [name for name in names if name in by_name and by_name[name].concurrency_limit is not None]
         kept = {by_name[name].id: name for name in names
                 if name in by_name and name not in limited and not by_name[name].is_paused}
-        found = await watch.runs(kept, due_by) if kept else []
+        found = await watch.runs(kept, due_by, page) if kept else []
         if limited:
             found += backlog.with_queue_names(
                 await backlog.read_backlog(self.client, self._work_pool_name, limited, due_by), queue_names)
         return found
 
+    async def _read_deployments(self, ids: Iterable[UUID]) -> dict[UUID, DeploymentResponse | None]:
+        """The deployments ``ids``, read at once; None for one that is gone."""
+        at_once = asyncio.Semaphore(DEPLOYMENT_READS_AT_ONCE)
+
+        async def read(deployment_id: UUID) -> DeploymentResponse | None:
+            async with at_once:
+                try:
+                    return await self.client.read_deployment(deployment_id)
+                except ObjectNotFound:
+                    return None
+
+        ids = list(ids)
+        return dict(zip(ids, await asyncio.gather(*map(read, ids)), strict=True))
+
     async def _waiting_runs(self, flow_runs: list[FlowRun], queues: dict[UUID, WorkQueue] | None = None,
+                            deployments: dict[UUID, DeploymentResponse | None] | None = None,
                             ) -> dict[UUID, tuple[WaitingRun, str, str | None]]:
         """Each scheduled run as the scheduler sees it, with its job's name and team.
 
-        A run is templated and parsed once and kept (:attr:`evaluations`) until it, its deployment or
-        the pool's template changes; its work queue's priority is applied on every poll.
+        A run is templated and parsed once and kept (:attr:`evaluations`) until it, its work queue's
+        priority, its deployment or the pool's template changes.
         """
-        deployments: dict[UUID, DeploymentResponse | None] = {}
+        deployments = dict(deployments or {})
         priorities = {queue_id: queue.priority for queue_id, queue in (queues or {}).items()}
         template = json.dumps(self.work_pool.base_job_template, sort_keys=True, default=str)
         waiting = {}
+        jobs: dict[str, Job | Exception] = {}
+        deployments.update(await self._read_deployments(
+            {run.deployment_id for run in flow_runs if run.deployment_id and run.deployment_id not in deployments}))
+        self._deployments = {run.deployment_id for run in flow_runs if run.deployment_id}
         for flow_run in flow_runs:
-            if flow_run.deployment_id and flow_run.deployment_id not in deployments:
-                try:
-                    deployments[flow_run.deployment_id] = await self.client.read_deployment(flow_run.deployment_id)
-                except ObjectNotFound:
-                    deployments[flow_run.deployment_id] = None
             deployment = deployments.get(flow_run.deployment_id) if flow_run.deployment_id else None
-            version = (flow_run.updated, flow_run.state_id, flow_run.work_queue_id,
+            queue_priority = priorities.get(flow_run.work_queue_id, LOWEST_QUEUE_PRIORITY)
+            version = (flow_run.updated, flow_run.state_id, flow_run.work_queue_id, queue_priority,
                        deployment.updated if deployment else None, template)
             evaluated = self.evaluations.get(flow_run.id, version)
             if evaluated is None:
-                evaluated = await self._evaluate(flow_run, deployment)
+                run, name, team = await self._evaluate(flow_run, deployment, jobs)
+                evaluated = (replace(run, queue_priority=queue_priority), name, team)
                 self.evaluations.keep(flow_run.id, version, evaluated)
-            run, name, team = evaluated
-            queue_priority = priorities.get(flow_run.work_queue_id, LOWEST_QUEUE_PRIORITY)
-            waiting[flow_run.id] = (replace(run, queue_priority=queue_priority), name, team)
+            # The same object poll after poll while nothing changed: the queue's sync sees that at a glance.
+            waiting[flow_run.id] = evaluated
         self.evaluations.retain(waiting)
         return waiting
 
     async def _evaluate(self, flow_run: FlowRun, deployment: DeploymentResponse | None,
-                        ) -> tuple[WaitingRun, str, str | None]:
+                        jobs: dict[str, Job | Exception]) -> tuple[WaitingRun, str, str | None]:
         name = deployment.name if deployment else flow_run.name
         try:
-            run, team = await self._waiting_run(flow_run, deployment, name)
+            run, team = await self._waiting_run(flow_run, deployment, name, jobs)
         except Exception as exc:
             # Whatever this run carries (a job variable of the wrong shape, a date out of any
             # range), it is taken at once, on no device, so that its life fails it with the reason.
@@ -509,13 +537,27 @@ class E31Worker(DockerWorker):
             self._logger.warning("Could not read the pool's work queues (%s); their priorities are ignored", exc)
             return None
 
+    async def _job(self, values: dict[str, Any], name: str, jobs: dict[str, Job | Exception]) -> Job:
+        """The job named ``name`` that ``values`` make of the pool's template; ``jobs`` holds those made this poll,
+        so the runs of one batch (one deployment, the same variables) are templated once between them."""
+        key = json.dumps([name, values], sort_keys=True, default=str)
+        if key not in jobs:
+            try:
+                configuration = await self.job_configuration.from_template_and_values(
+                    self.work_pool.base_job_template, values, client=self.client)
+                jobs[key] = configuration.job(name)
+            except Exception as exc:
+                jobs[key] = exc
+        job = jobs[key]
+        if isinstance(job, Exception):
+            raise job
+        return job
+
     async def _waiting_run(self, flow_run: FlowRun, deployment: DeploymentResponse | None,
-                           name: str) -> tuple[WaitingRun, str | None]:
+                           name: str, jobs: dict[str, Job | Exception]) -> tuple[WaitingRun, str | None]:
         scheduled = scheduled_start(flow_run)
         values = {**(deployment.job_variables if deployment else {}), **(flow_run.job_variables or {})}
-        configuration = await self.job_configuration.from_template_and_values(
-            self.work_pool.base_job_template, values, client=self.client)
-        job = configuration.job(name)
+        job = await self._job(values, name, jobs)
         deadline = timing.resolve_deadline(job.request.deadline, scheduled, job.tz)
         return WaitingRun(
             id=flow_run.id,

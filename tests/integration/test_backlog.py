@@ -101,9 +101,9 @@ def test_a_poll_evaluates_again_only_the_runs_that_changed(prefect_server, tmp_p
             evaluated: list[UUID] = []
             evaluate = worker._evaluate
 
-            async def counting(flow_run, deployment):
+            async def counting(flow_run, deployment, jobs):
                 evaluated.append(flow_run.id)
-                return await evaluate(flow_run, deployment)
+                return await evaluate(flow_run, deployment, jobs)
 
             worker._evaluate = counting
             rounds = []

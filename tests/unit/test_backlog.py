@@ -95,10 +95,16 @@ def test_runs_gone_from_the_backlog_are_forgotten():
 
 # -- the backlog kept between polls ----------------------------------------------------------------
 
-def run_response(run_id: UUID, state_type: str, at: float, name: str = "Scheduled") -> SimpleNamespace:
-    """A run as a read gives it: its state's type, name and time (seconds after T0)."""
+QUEUE = uuid4()
+
+
+def run_response(run_id: UUID, state_type: str, at: float, name: str = "Scheduled", *,
+                 queue: UUID = QUEUE, start: datetime | None = T0) -> SimpleNamespace:
+    """A run as a read gives it: its state's type, name and time (seconds after T0), its work queue and its
+    next scheduled start."""
     state = SimpleNamespace(type=SimpleNamespace(value=state_type), name=name, timestamp=T0 + timedelta(seconds=at))
-    return SimpleNamespace(flow_run=SimpleNamespace(id=run_id, state=state))
+    return SimpleNamespace(flow_run=SimpleNamespace(id=run_id, state=state, next_scheduled_start_time=start),
+                           work_queue_id=queue)
 
 
 class Pool:
@@ -213,6 +219,19 @@ def test_an_event_is_a_hint_a_read_decides():
     assert [r.flow_run.id for r in backlog.runs()] == [run_id]
     backlog.confirm([], 3.0, asked=[run_id])
     assert backlog.runs() == []
+
+
+def test_a_poll_gets_the_kept_runs_of_its_queues_due_by_its_time():
+    backlog, other = KeptBacklog(), uuid4()
+    due, later, elsewhere, unscheduled = uuid4(), uuid4(), uuid4(), uuid4()
+    backlog.replace([run_response(due, "SCHEDULED", 1, start=T0 + timedelta(seconds=10)),
+                     run_response(later, "SCHEDULED", 1, start=T0 + timedelta(seconds=11)),
+                     run_response(elsewhere, "SCHEDULED", 1, queue=other),
+                     run_response(unscheduled, "SCHEDULED", 1, start=None)], 0.0)
+    assert {r.flow_run.id for r in backlog.due({QUEUE}, T0 + timedelta(seconds=10))} == {due, unscheduled}
+    assert {r.flow_run.id for r in backlog.due({QUEUE, other}, T0 + timedelta(seconds=11))} == \
+        {due, later, elsewhere, unscheduled}
+    assert backlog.due(set(), T0 + timedelta(days=1)) == []
 
 
 def test_a_full_read_keeps_what_changed_while_it_lasted():
