@@ -21,7 +21,7 @@ its version changes.
 from __future__ import annotations
 
 import math
-from collections.abc import Awaitable, Callable, Container, Hashable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Hashable, Iterable, Mapping
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar
 from uuid import UUID
@@ -199,16 +199,26 @@ class KeptBacklog:
         self._left: dict[UUID, float] = {}  # run -> when it was seen to wait no more
         self._to_read: set[UUID] = set()
         self.complete = False  # whether a full read was taken in (and no change missed since)
+        self._generation = 0  # counts changes to the kept runs: while it stands, a poll's answer stands
+        # The last due() answer: (generation, queues, due by from, until, runs); good until a kept run comes due.
+        self._answer: tuple[int, frozenset[UUID], float, float, list[WorkerFlowRunResponse]] | None = None
 
     def runs(self) -> list[WorkerFlowRunResponse]:
         """Every kept waiting run."""
         return [kept.response for kept in self._runs.values()]
 
-    def due(self, queue_ids: Container[UUID], due_by: datetime) -> list[WorkerFlowRunResponse]:
-        """The kept runs of the queues ``queue_ids`` due by ``due_by``: what a poll ranks, found without
-        touching each run's fields (a poll at a big backlog is mostly this)."""
-        by = due_by.timestamp()
-        return [kept.response for kept in self._runs.values() if kept.due_at <= by and kept.queue_id in queue_ids]
+    def due(self, queue_ids: Iterable[UUID], due_by: datetime) -> list[WorkerFlowRunResponse]:
+        """The kept runs of the queues ``queue_ids`` due by ``due_by``: what a poll ranks. While no kept run
+        changed, came or left, or came due, it is the very list of the last call."""
+        by, queues = due_by.timestamp(), frozenset(queue_ids)
+        answer = self._answer
+        if answer is not None and answer[:2] == (self._generation, queues) and answer[2] <= by < answer[3]:
+            return answer[4]  # the same list: a poll sees at a glance that nothing changed
+        mine = [kept for kept in self._runs.values() if kept.queue_id in queues]
+        due = [kept.response for kept in mine if kept.due_at <= by]
+        until = min((kept.due_at for kept in mine if kept.due_at > by), default=math.inf)
+        self._answer = (self._generation, queues, by, until, due)
+        return due
 
     def replace(self, responses: Iterable[WorkerFlowRunResponse], began: float) -> None:
         """Take in a full read that began at ``began``."""
@@ -216,6 +226,7 @@ class KeptBacklog:
                  if self._left.get(r.flow_run.id, -math.inf) < began}
         fresh.update((run_id, kept) for run_id, kept in self._runs.items() if kept.read_at >= began)
         self._runs = fresh
+        self._generation += 1
         # A run that left before this read began is not in it: the mark has said what it could.
         self._left = {run_id: at for run_id, at in self._left.items() if at >= began}
         self.complete = True
@@ -240,7 +251,8 @@ class KeptBacklog:
 
     def drop(self, run_id: UUID, now: float) -> None:
         """``run_id`` is no longer waiting (taken, refused, ended)."""
-        self._runs.pop(run_id, None)
+        if self._runs.pop(run_id, None) is not None:
+            self._generation += 1
         self._left[run_id] = now
 
     def to_read(self) -> list[UUID]:
@@ -254,8 +266,15 @@ class KeptBacklog:
         found = set()
         for response in responses:
             found.add(response.flow_run.id)
-            if self._left.get(response.flow_run.id, -math.inf) < began:
+            if self._left.get(response.flow_run.id, -math.inf) >= began:
+                continue
+            kept = self._runs.get(response.flow_run.id)
+            if kept is not None and (kept.response.flow_run.updated, kept.response.flow_run.state_id) == (
+                    response.flow_run.updated, response.flow_run.state_id):
+                self._runs[response.flow_run.id] = kept._replace(read_at=began)  # read again, unchanged
+            else:
                 self._runs[response.flow_run.id] = _Kept.of(response, began)
+                self._generation += 1
         for run_id in asked:
             if run_id not in found:
                 self.drop(run_id, began)

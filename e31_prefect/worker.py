@@ -253,6 +253,9 @@ class E31Worker(DockerWorker):
         self._follows_events = False  # a pool's worker that polls more than once keeps its backlog between polls
         self.backlog_watch: WatchedBacklog | None = None
         self._deployments: set[UUID] = set()  # those the last poll's waiting runs came from, read with the queues
+        # The last poll's runs, what their evaluation stood on, and the evaluation (see _waiting_runs).
+        self._last_waiting: tuple[list[WorkerFlowRunResponse], Any, dict[UUID, Any]] | None = None
+        self._queued: dict[UUID, Any] | None = None  # the evaluation the waiting queue was last synced to
         self._owners: dict[UUID, int] = {}  # ledger owner locks of runs taken but not yet lived
 
     # -- starting and stopping --------------------------------------------------------------------
@@ -395,17 +398,20 @@ class E31Worker(DockerWorker):
         queues, deployments, *page = await asyncio.gather(*reads)
         responses = await self._backlog(queues, page[0] if page else None)
         self._last_polled_time = datetime.now(timezone.utc)
-        responses = [r for r in responses if r.flow_run.id not in self._submitting_flow_run_ids
-                     and (self._only_flow_run_ids is None or r.flow_run.id in self._only_flow_run_ids)]
+        if self._submitting_flow_run_ids or self._only_flow_run_ids is not None:
+            responses = [r for r in responses if r.flow_run.id not in self._submitting_flow_run_ids
+                         and (self._only_flow_run_ids is None or r.flow_run.id in self._only_flow_run_ids)]
         if not responses:
             return []
-        by_id = {r.flow_run.id: r for r in responses}
-        waiting = await self._waiting_runs([r.flow_run for r in responses], queues, deployments)
+        waiting = await self._waiting_runs(responses, queues, deployments)
         now = datetime.now(timezone.utc)
         busy = [Busy(device, self.holds_until.get(holder))
                 for device, holder in self.inventory.holders().items()]
-        self.queue.sync(run for run, _, _ in waiting.values())
+        if waiting is not self._queued:  # else the queue holds these very runs already
+            self.queue.sync(run for run, _, _ in waiting.values())
+            self._queued = waiting
         decision = decide(self.queue, self.inventory.free(), now, busy)
+        by_id = {r.flow_run.id: r for r in responses} if decision.missed or decision.start else {}
         for run in decision.missed:
             await self._refuse_missed(by_id[run.id].flow_run, *waiting[run.id][1:], run.latest_start, now)
             if self.backlog_watch is not None:
@@ -430,7 +436,7 @@ class E31Worker(DockerWorker):
         self._work_pool = await self.client.read_work_pool(self._work_pool_name)
         queues = await self._pool_queues()
         responses = await self._backlog(queues)
-        waiting = await self._waiting_runs([r.flow_run for r in responses], queues)
+        waiting = await self._waiting_runs(responses, queues)
         return {r.flow_run.id: (waiting[r.flow_run.id][0], r.flow_run.name, waiting[r.flow_run.id][1])
                 for r in responses}
 
@@ -483,17 +489,24 @@ class E31Worker(DockerWorker):
         ids = list(ids)
         return dict(zip(ids, await asyncio.gather(*map(read, ids)), strict=True))
 
-    async def _waiting_runs(self, flow_runs: list[FlowRun], queues: dict[UUID, WorkQueue] | None = None,
+    async def _waiting_runs(self, responses: list[WorkerFlowRunResponse], queues: dict[UUID, WorkQueue] | None = None,
                             deployments: dict[UUID, DeploymentResponse | None] | None = None,
                             ) -> dict[UUID, tuple[WaitingRun, str, str | None]]:
         """Each scheduled run as the scheduler sees it, with its job's name and team.
 
         A run is templated and parsed once and kept (:attr:`evaluations`) until it, its work queue's
-        priority, its deployment or the pool's template changes.
+        priority, its deployment or the pool's template changes. Given the very list of runs of the last
+        call (a kept backlog where nothing changed) and the same queues, deployments and template, it is
+        the very answer of the last call, found without a look at each run.
         """
         deployments = dict(deployments or {})
         priorities = {queue_id: queue.priority for queue_id, queue in (queues or {}).items()}
         template = json.dumps(self.work_pool.base_job_template, sort_keys=True, default=str)
+        around = (priorities, {key: d.updated if d else None for key, d in deployments.items()}, template)
+        last = self._last_waiting
+        if last is not None and last[0] is responses and last[1] == around:
+            return last[2]
+        flow_runs = [response.flow_run for response in responses]
         waiting = {}
         jobs: dict[str, Job | Exception] = {}
         deployments.update(await self._read_deployments(
@@ -512,6 +525,9 @@ class E31Worker(DockerWorker):
             # The same object poll after poll while nothing changed: the queue's sync sees that at a glance.
             waiting[flow_run.id] = evaluated
         self.evaluations.retain(waiting)
+        # The deployments read after the last poll's are part of what the answer stands on.
+        around = (priorities, {key: d.updated if d else None for key, d in deployments.items()}, template)
+        self._last_waiting = (responses, around, waiting)
         return waiting
 
     async def _evaluate(self, flow_run: FlowRun, deployment: DeploymentResponse | None,

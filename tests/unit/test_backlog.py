@@ -103,7 +103,8 @@ def run_response(run_id: UUID, state_type: str, at: float, name: str = "Schedule
     """A run as a read gives it: its state's type, name and time (seconds after T0), its work queue and its
     next scheduled start."""
     state = SimpleNamespace(type=SimpleNamespace(value=state_type), name=name, timestamp=T0 + timedelta(seconds=at))
-    return SimpleNamespace(flow_run=SimpleNamespace(id=run_id, state=state, next_scheduled_start_time=start),
+    return SimpleNamespace(flow_run=SimpleNamespace(id=run_id, state=state, next_scheduled_start_time=start,
+                                                    updated=state.timestamp, state_id=(state_type, name, at)),
                            work_queue_id=queue)
 
 
@@ -232,6 +233,25 @@ def test_a_poll_gets_the_kept_runs_of_its_queues_due_by_its_time():
     assert {r.flow_run.id for r in backlog.due({QUEUE, other}, T0 + timedelta(seconds=11))} == \
         {due, later, elsewhere, unscheduled}
     assert backlog.due(set(), T0 + timedelta(days=1)) == []
+
+
+def test_the_due_runs_are_the_same_list_until_a_run_changes_comes_or_leaves_or_comes_due():
+    backlog, now, later = KeptBacklog(), uuid4(), uuid4()
+    backlog.replace([run_response(now, "SCHEDULED", 1, start=T0),
+                     run_response(later, "SCHEDULED", 1, start=T0 + timedelta(seconds=60))], 0.0)
+    first = backlog.due({QUEUE}, T0 + timedelta(seconds=5))
+    assert [r.flow_run.id for r in first] == [now]
+    backlog.confirm([run_response(now, "SCHEDULED", 1, start=T0)], 1.0)  # read again, unchanged
+    assert backlog.due({QUEUE}, T0 + timedelta(seconds=30)) is first
+    due = backlog.due({QUEUE}, T0 + timedelta(seconds=60))  # the later run came due
+    assert {r.flow_run.id for r in due} == {now, later}
+    backlog.confirm([run_response(now, "SCHEDULED", 2, start=T0)], 2.0)  # changed on the server
+    changed = backlog.due({QUEUE}, T0 + timedelta(seconds=60))
+    assert changed is not due and {r.flow_run.state.timestamp for r in changed} == {T0 + timedelta(seconds=1),
+                                                                                     T0 + timedelta(seconds=2)}
+    backlog.drop(later, 3.0)
+    assert [r.flow_run.id for r in backlog.due({QUEUE}, T0 + timedelta(seconds=60))] == [now]
+    assert backlog.due({uuid4()}, T0 + timedelta(seconds=60)) == []  # other queues: asked anew
 
 
 def test_a_full_read_keeps_what_changed_while_it_lasted():
