@@ -56,15 +56,22 @@ def make_runs(deployment_id: UUID, count: int) -> None:
     assert made == count, f"the backfill made {made} runs, not {count}"
 
 
-def test_a_run_submitted_behind_a_full_page_with_the_earliest_deadline_starts_first(prefect_server, tmp_path: Path,
-                                                                                      pool):
+def relaxed_backlog(tmp_path: Path, pool: str) -> UUID:
+    """BACKLOG runs of a relaxed job (its deadline 8 h away) waiting in ``pool``: one by ``e31 submit``, the rest
+    of the batch by :func:`make_runs`; returns their deployment's id."""
     relaxed = mark_job(tmp_path / "relaxed", "relaxed", deadline="+8h")
-    urgent = mark_job(tmp_path / "urgent", "urgent", deadline="+30m")
     submitted = cli("e31", "submit", str(relaxed), "--pool", pool)
     assert submitted.returncode == 0, submitted.stderr
     with get_client(sync_client=True) as client:
         deployment_id = client.read_flow_run(flow_run_id(submitted.stdout)).deployment_id
-    make_runs(deployment_id, BACKLOG - 1)  # the rest of the batch
+    make_runs(deployment_id, BACKLOG - 1)
+    return deployment_id
+
+
+def test_a_run_submitted_behind_a_full_page_with_the_earliest_deadline_starts_first(prefect_server, tmp_path: Path,
+                                                                                      pool):
+    urgent = mark_job(tmp_path / "urgent", "urgent", deadline="+30m")
+    deployment_id = relaxed_backlog(tmp_path, pool)
     submitted = cli("e31", "submit", str(urgent), "--pool", pool)  # last: behind the whole page
     assert submitted.returncode == 0, submitted.stderr
     urgent_id = flow_run_id(submitted.stdout)
@@ -124,12 +131,7 @@ def test_a_poll_evaluates_again_only_the_runs_that_changed(prefect_server, tmp_p
 
 def test_a_pools_worker_keeps_its_backlog_and_learns_of_a_new_urgent_run_from_prefects_events(
         prefect_server, tmp_path: Path, pool):
-    relaxed = mark_job(tmp_path / "relaxed", "relaxed", deadline="+8h")
-    submitted = cli("e31", "submit", str(relaxed), "--pool", pool)
-    assert submitted.returncode == 0, submitted.stderr
-    with get_client(sync_client=True) as client:
-        deployment_id = client.read_flow_run(flow_run_id(submitted.stdout)).deployment_id
-    make_runs(deployment_id, BACKLOG - 1)  # the rest of the batch
+    relaxed_backlog(tmp_path, pool)
     urgent = mark_job(tmp_path / "urgent", "urgent", deadline="+30m")
     settings = E31Settings(gpus="1xH100", device_locks=tmp_path / "locks", home=tmp_path / "e31",
                            backlog_heal_seconds=3600,  # no full read again during the test: events or nothing
