@@ -502,9 +502,13 @@ class E31Worker(DockerWorker):
         deployments = dict(deployments or {})
         priorities = {queue_id: queue.priority for queue_id, queue in (queues or {}).items()}
         template = json.dumps(self.work_pool.base_job_template, sort_keys=True, default=str)
-        around = (priorities, {key: d.updated if d else None for key, d in deployments.items()}, template)
+
+        def around() -> tuple[Any, ...]:
+            """What the evaluations stand on besides the runs themselves."""
+            return priorities, {key: d.updated if d else None for key, d in deployments.items()}, template
+
         last = self._last_waiting
-        if last is not None and last[0] is responses and last[1] == around:
+        if last is not None and last[0] is responses and last[1] == around():
             return last[2]
         flow_runs = [response.flow_run for response in responses]
         waiting = {}
@@ -525,9 +529,7 @@ class E31Worker(DockerWorker):
             # The same object poll after poll while nothing changed: the queue's sync sees that at a glance.
             waiting[flow_run.id] = evaluated
         self.evaluations.retain(waiting)
-        # The deployments read after the last poll's are part of what the answer stands on.
-        around = (priorities, {key: d.updated if d else None for key, d in deployments.items()}, template)
-        self._last_waiting = (responses, around, waiting)
+        self._last_waiting = (responses, around(), waiting)  # with the deployments read since the check
         return waiting
 
     async def _evaluate(self, flow_run: FlowRun, deployment: DeploymentResponse | None,
