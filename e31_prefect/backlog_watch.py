@@ -101,6 +101,8 @@ class WatchedBacklog:
             at = datetime.fromisoformat(stamp) if stamp else None
         except ValueError:
             return
+        if at is not None and at.tzinfo is None:
+            return  # Prefect writes every state time with its zone; one without cannot be compared with them
         self.kept.changed(run_id, resource.get("prefect.state-type") or "", resource.get("prefect.state-name") or "",
                           at, time.monotonic())
 

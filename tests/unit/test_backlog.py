@@ -9,8 +9,10 @@ from types import SimpleNamespace
 from uuid import UUID, uuid4
 
 import pytest
+from prefect.events import Event
 
 from e31_prefect.backlog import Evaluations, KeptBacklog, page_through
+from e31_prefect.backlog_watch import WatchedBacklog
 
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
 
@@ -263,3 +265,30 @@ def test_a_full_read_keeps_what_changed_while_it_lasted():
     backlog.confirm([run_response(created, "SCHEDULED", 12)], 12.0)
     backlog.replace([run_response(kept, "SCHEDULED", 1), run_response(started, "SCHEDULED", 1)], 10.0)
     assert {r.flow_run.id for r in backlog.runs()} == {kept, created}
+
+
+def run_event(resource_id: str, **labels: str) -> Event:
+    """A flow-run event as Prefect's stream gives it (a job may emit its own, malformed ones, about its run)."""
+    return Event(event="prefect.flow-run.Scheduled", resource={"prefect.resource.id": resource_id, **labels})
+
+
+def test_a_malformed_flow_run_event_is_ignored_and_a_good_one_names_its_run():
+    import logging
+
+    async def taken() -> tuple[list[UUID], list[UUID]]:
+        watch = WatchedBacklog(None, "pool", uuid4(), 300, logging.getLogger("test"))  # type: ignore[arg-type]
+        watch.kept.replace([run_response(run_id, "SCHEDULED", 1)], 0.0)
+        for event in (run_event("prefect.flow-run.not-a-uuid", **{"prefect.state-type": "PENDING"}),
+                      run_event(f"prefect.flow-run.{run_id}", **{"prefect.state-timestamp": "yesterday"}),
+                      # no zone: compared with the kept state's time it would raise, and end the stream
+                      run_event(f"prefect.flow-run.{run_id}", **{"prefect.state-type": "PENDING",
+                                                                 "prefect.state-timestamp": "2026-01-02T00:00:00"}),
+                      run_event(f"prefect.task-run.{uuid4()}")):
+            watch.take(event)
+        malformed = watch.kept.to_read()
+        watch.take(run_event(f"prefect.flow-run.{run_id}", **{
+            "prefect.state-type": "PENDING", "prefect.state-timestamp": "2026-01-02T00:00:00+00:00"}))
+        return malformed, watch.kept.to_read()
+
+    run_id = uuid4()
+    assert asyncio.run(taken()) == ([], [run_id])
