@@ -180,18 +180,20 @@ def drain(side: Side, pool: str, runs: int, workers: int) -> dict[str, float]:
 
 def backfill_runs(deployment_id, count: int) -> None:
     """``count`` runs of the deployment, all due, one a second over the past, made by Prefect's backfill route
-    (the scheduler's own bulk insert) from an interval schedule added for it and paused after (deleting it
-    deletes the runs it made)."""
+    (the scheduler's own bulk insert) from a schedule of exactly ``count`` past dates added for it (an open one
+    lets Prefect's scheduler add runs due seconds later) and paused after (deleting it deletes the runs it
+    made)."""
     from datetime import datetime, timedelta, timezone
 
     from prefect import get_client
-    from prefect.client.schemas.schedules import IntervalSchedule
+    from prefect.client.schemas.schedules import RRuleSchedule
 
     now = datetime.now(timezone.utc)
-    start = now - timedelta(seconds=count + 60)
+    start = (now - timedelta(seconds=count + 60)).replace(microsecond=0)  # the rrule counts whole seconds
     with get_client(sync_client=True) as client:
         schedule, = client.create_deployment_schedules(
-            deployment_id, [(IntervalSchedule(interval=timedelta(seconds=1), anchor_date=start), True)])
+            deployment_id, [(RRuleSchedule(
+            rrule=f"DTSTART:{start:%Y%m%dT%H%M%SZ}\nRRULE:FREQ=SECONDLY;COUNT={count}"), True)])
         try:
             for first in range(0, count, 1000):  # a schedule gives at most 1,000 dates a call
                 client.request("POST", "/deployments/{id}/schedule", path_params={"id": deployment_id}, json={

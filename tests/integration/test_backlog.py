@@ -21,7 +21,7 @@ from prefect.client.schemas.filters import (
     FlowRunFilterStateType,
 )
 from prefect.client.schemas.objects import StateType
-from prefect.client.schemas.schedules import IntervalSchedule
+from prefect.client.schemas.schedules import RRuleSchedule
 from prefect.states import Scheduled
 
 from e31_prefect.settings import E31Settings
@@ -35,18 +35,19 @@ BACKLOG = 250  # more than the server's page (PREFECT_SERVER_API_DEFAULT_LIMIT, 
 
 def make_runs(deployment_id: UUID, count: int) -> None:
     """``count`` more runs of the deployment, all due, one a second over the past minutes, made in one call by
-    Prefect's backfill route (the scheduler's bulk insert) from an interval schedule added for it: one by one,
-    a few hundred runs take minutes of a loaded server. The schedule is then paused, not deleted: deleting it
-    deletes the runs it made."""
+    Prefect's backfill route (the scheduler's bulk insert) from a schedule added for it: one by one, a few
+    hundred runs take minutes of a loaded server. The schedule has exactly ``count`` dates, all past: an open
+    interval schedule let Prefect's scheduler add runs due in the next seconds before it was paused, and those
+    fell due during a test. It is then paused, not deleted: deleting it deletes the runs it made."""
     now = datetime.now(timezone.utc)
-    start = now - timedelta(seconds=count + 30)
+    start = (now - timedelta(seconds=count + 30)).replace(microsecond=0)  # the rrule counts whole seconds
     due = FlowRunFilter(deployment_id=FlowRunFilterDeploymentId(any_=[deployment_id]),
                         state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.SCHEDULED])),
                         next_scheduled_start_time=FlowRunFilterNextScheduledStartTime(before_=now))
     with get_client(sync_client=True) as client:
         before = client.count_flow_runs(flow_run_filter=due)
         schedule, = client.create_deployment_schedules(
-            deployment_id, [(IntervalSchedule(interval=timedelta(seconds=1), anchor_date=start), True)])
+            deployment_id, [(past_seconds(start, count), True)])
         try:
             client.request("POST", "/deployments/{id}/schedule", path_params={"id": deployment_id},
                            json={"start_time": start.isoformat(), "end_time": now.isoformat(), "max_runs": count})
@@ -54,6 +55,11 @@ def make_runs(deployment_id: UUID, count: int) -> None:
             client.update_deployment_schedule(deployment_id, schedule.id, active=False)
         made = client.count_flow_runs(flow_run_filter=due) - before
     assert made == count, f"the backfill made {made} runs, not {count}"
+
+
+def past_seconds(start: datetime, count: int) -> RRuleSchedule:
+    """A schedule of ``count`` dates one second apart from ``start``, and none after."""
+    return RRuleSchedule(rrule=f"DTSTART:{start:%Y%m%dT%H%M%SZ}\nRRULE:FREQ=SECONDLY;COUNT={count}")
 
 
 def relaxed_backlog(tmp_path: Path, pool: str) -> UUID:
