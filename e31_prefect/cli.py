@@ -345,7 +345,8 @@ async def _run_async(job: Job, args: argparse.Namespace, now: datetime) -> int:
     async with E31Worker(work_pool_name=args.pool, only_flow_run_ids={flow_run.id}) as worker:
         await worker.sync_with_backend()
         while True:
-            await worker.get_and_submit_flow_runs()
+            if not worker.busy:  # once the run is taken, polling for it would only load the API
+                await worker.get_and_submit_flow_runs()
             current = await worker.client.read_flow_run(flow_run.id)
             if current.state and current.state.is_final() and not worker.busy:
                 break

@@ -16,17 +16,15 @@ import os
 import subprocess
 import time
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 from prefect import flow, get_run_logger
 
-from e31_prefect.dirs import OUTPUT_DIR_VARIABLE
-from e31_prefect.shard_runner import program, run_shards
+from e31_prefect.shard_runner import Attempt, ShardProcess, program, take_early
 from e31_prefect.shards import (
     SHARDS_VARIABLE,
+    Outcome,
     Progress,
-    Schedule,
     ShardSettings,
     failure_rows,
     failure_summary,
@@ -82,44 +80,45 @@ def run_sharded(command: list[str], settings: ShardSettings, what: str | None = 
     (:mod:`e31_prefect.flow_shards`) can say "the flow ..." rather than its shard program.
     """
     logger = get_run_logger()
-    output_dir = Path(os.environ[OUTPUT_DIR_VARIABLE])
     progress = ProgressReport(settings.count)
     logger.info("Running %s as %d shards (%s GPU(s) each, %d at once per GPU, %d retries each, %d failures "
                 "allowed)", what or " ".join(command), settings.count, settings.gpus_per_shard, settings.shards_per_gpu,
                 settings.retries, settings.allowed_failures)
 
-    def finished(shard: int, outcome: str, schedule: Schedule) -> None:
-        if outcome == "retry":
-            logger.warning("Shard %d failed (attempt %d); retrying it", shard, schedule.attempts[shard])
-        elif outcome == "failed":
-            failure = schedule.failures[shard]
-            logger.error("Shard %d failed for good (exit %d after %d attempt(s)):\n%s", shard, failure.exit_code,
-                         failure.attempts, failure.tail)
+    # Started by the job's entry before Prefect loaded, where the worker could say what they run.
+    shards = take_early(command) or ShardProcess(command, settings, os.environ)
 
-    schedule = run_shards(command, settings, os.environ, output_dir, on_progress=progress.update,
-                          on_finish=finished)
-    progress.update(schedule.progress(progress.elapsed()), final=True)
-    summary = {"shards": settings.count, "succeeded": schedule.succeeded, "retried": schedule.retried,
-               "failed": sorted(schedule.failures), "not_run": schedule.not_run}
-    if schedule.failures:
-        report_failures(schedule)
-    if not schedule.ok:
-        raise ShardsFailed(failure_summary(schedule))
-    if schedule.failures:
-        logger.warning("%d shard(s) failed, within the %d allowed: %s", len(schedule.failures),
-                       settings.allowed_failures, ", ".join(map(str, sorted(schedule.failures))))
+    def ended(attempt: Attempt) -> None:
+        if attempt.outcome == "retry":
+            logger.warning("Shard %d failed (attempt %d); retrying it", attempt.shard, attempt.number)
+        elif attempt.failure is not None:
+            failure = attempt.failure
+            logger.error("Shard %d failed for good (exit %d after %d attempt(s)):\n%s", attempt.shard,
+                         failure.exit_code, failure.attempts, failure.tail)
+
+    outcome = shards.follow(on_progress=progress.update, on_attempt=ended)
+    progress.update(shards.progress, final=True)
+    summary = {"shards": settings.count, "succeeded": outcome.succeeded, "retried": outcome.retried,
+               "failed": sorted(outcome.failures), "not_run": outcome.not_run}
+    if outcome.failures:
+        report_failures(outcome)
+    if not outcome.ok:
+        raise ShardsFailed(failure_summary(outcome))
+    if outcome.failures:
+        logger.warning("%d shard(s) failed, within the %d allowed: %s", len(outcome.failures),
+                       settings.allowed_failures, ", ".join(map(str, sorted(outcome.failures))))
     if settings.reduce:
-        stream(settings.reduce, {**os.environ, **reduce_environment(settings.count, list(schedule.failures))})
+        stream(settings.reduce, {**os.environ, **reduce_environment(settings.count, list(outcome.failures))})
     return summary
 
 
-def report_failures(schedule: Schedule) -> None:
+def report_failures(outcome: Outcome) -> None:
     """A table artifact of the failed shards with their last log lines."""
     from prefect.artifacts import create_table_artifact
 
     try:
-        create_table_artifact(failure_rows(schedule), key=FAILURES_KEY,
-                              description=failure_summary(schedule).splitlines()[0])
+        create_table_artifact(failure_rows(outcome), key=FAILURES_KEY,
+                              description=failure_summary(outcome).splitlines()[0])
     except Exception as exc:  # the run's outcome stands even if the API cannot take the artifact
         get_run_logger().warning("Could not record the failed shards as an artifact: %s", exc)
 
@@ -129,16 +128,11 @@ class ProgressReport:
 
     def __init__(self, count: int):
         self.count = count
-        self.started = time.monotonic()
-        self.logged = self.started
+        self.logged = time.monotonic()
         self.artifact_id: Any = None
         self.last: Progress | None = None
         self.logger = get_run_logger()
         self._publish(Progress(count=count, done=0, failed=0, running=0, elapsed_s=0.0))
-
-    def elapsed(self) -> float:
-        """Seconds since the shards started."""
-        return time.monotonic() - self.started
 
     def update(self, progress: Progress, final: bool = False) -> None:
         """Show ``progress`` (when it changed) and, now and then and at the end, log the counts."""

@@ -26,6 +26,7 @@ import urllib.request
 from typing import Any
 
 WORK_ENDED_VARIABLE = "E31_WORK_ENDED"
+SHARDS_VARIABLE = "E31_SHARDS"  # a sharded job's settings (e31_prefect.shards)
 API_SOCKET_VARIABLE = "E31_API_SOCKET"  # the run's gateway to the Prefect API (see e31_prefect.gateway)
 _pipe: list[str] = []  # where to say it; taken out of the environment, so the flow's own code never sees it
 
@@ -86,6 +87,18 @@ def _say_before_reporting() -> None:
             return await reporting_async(self, state, *args, **kwargs)
 
         async_engine.set_state = set_state_async
+
+
+def start_shards() -> None:
+    """Start a sharded command's shards now, where the worker said what they run: loading Prefect and
+    its engine takes seconds, every rented GPU idle meanwhile. The command flow then follows them."""
+    if SHARDS_VARIABLE not in os.environ:
+        return
+    try:
+        from e31_prefect.shard_runner import start_early
+    except ImportError:  # an image without e31 installed: the flow starts the shards
+        return
+    start_early(os.environ)
 
 
 def wait_for_api(api_url: str | None, seconds: float = 60.0) -> None:
@@ -153,6 +166,7 @@ def main() -> None:
     api_socket = os.environ.pop(API_SOCKET_VARIABLE, None)
     if api_socket:
         os.environ["PREFECT_API_URL"] = forward_api(api_socket)
+    start_shards()
     wait_for_api(os.environ.get("PREFECT_API_URL"))
     _say_before_reporting()
     runpy.run_module("prefect.engine", run_name="__main__", alter_sys=True)

@@ -28,7 +28,12 @@ SHARD_PARAMETERS = ("shard_index", "shard_count")  # what each shard of a sharde
 
 @dataclass(frozen=True)
 class ShardSettings:
-    """How a job's shards run: how many, on how many GPUs each, how many at once, retries, failures allowed."""
+    """How a job's shards run: how many, on how many GPUs each, how many at once, retries, failures allowed.
+
+    ``command`` and ``folder`` are set where the worker knows, before the work starts, what the shards run
+    and where (a command deployed by e31, its folder the deployment's only pull step): the job's entry then
+    starts the shards at once, not after Prefect has loaded (:func:`e31_prefect.shard_runner.start_early`).
+    """
 
     count: int
     gpus_per_shard: int = 1
@@ -36,10 +41,15 @@ class ShardSettings:
     retries: int = 0
     allow_failed: int | float = 0
     reduce: list[str] | None = None
+    command: list[str] | None = None
+    folder: str | None = None
 
     @classmethod
-    def of(cls, job: Job) -> ShardSettings | None:
-        """The job's shard settings with their defaults filled in; None for a job without shards."""
+    def of(cls, job: Job, command: Sequence[str] | None = None, folder: str | None = None) -> ShardSettings | None:
+        """The job's shard settings with their defaults filled in; None for a job without shards.
+
+        ``command`` and ``folder``: what the run's shards will run and where, where the worker knows.
+        """
         work = job.work
         if work.shards is None:
             return None
@@ -47,7 +57,8 @@ class ShardSettings:
         return cls(count=work.shards,
                    gpus_per_shard=default_gpus if work.gpus_per_shard is None else work.gpus_per_shard,
                    shards_per_gpu=work.shards_per_gpu or 1, retries=work.shard_retries or 0,
-                   allow_failed=work.allow_failed_shards or 0, reduce=work.reduce)
+                   allow_failed=work.allow_failed_shards or 0, reduce=work.reduce,
+                   command=list(command) if command and folder else None, folder=folder if command else None)
 
     def to_text(self) -> str:
         """The settings as the job's ``E31_SHARDS`` value."""
@@ -241,10 +252,42 @@ class Schedule:
         """Whether the shards, once over, let the job end Completed."""
         return self.over and not self.gave_up
 
+    def outcome(self) -> Outcome:
+        """How the shards ended (call once :attr:`over`)."""
+        return Outcome(count=self.count, allowed_failures=self.allowed_failures, succeeded=self.succeeded,
+                       retried=self.retried, not_run=self.not_run, failures=dict(self.failures))
+
     def progress(self, elapsed_s: float) -> Progress:
         """The counts a person reads, ``elapsed_s`` seconds after the first shard started."""
         return Progress(count=self.count, done=self.succeeded, failed=len(self.failures),
                         running=len(self.running), elapsed_s=elapsed_s)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How a job's shards ended: what its run reports, and whether it may end Completed."""
+
+    count: int
+    allowed_failures: int
+    succeeded: int
+    retried: int
+    not_run: int
+    failures: dict[int, Failure]
+
+    @property
+    def ok(self) -> bool:
+        """No more shards failed for good than are allowed."""
+        return len(self.failures) <= self.allowed_failures
+
+    def to_json(self) -> dict[str, Any]:
+        """As JSON (what the shards' runner hands the flow)."""
+        return {**asdict(self), "failures": [asdict(f) for f in self.failures.values()]}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Outcome:
+        """From :meth:`to_json`."""
+        failures = [Failure(**f) for f in data["failures"]]
+        return cls(**{**data, "failures": {f.shard: f for f in failures}})
 
 
 @dataclass(frozen=True)
@@ -303,11 +346,11 @@ def _duration(seconds: float) -> str:
     return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
 
 
-def failure_summary(schedule: Schedule, limit: int = 10) -> str:
+def failure_summary(outcome: Outcome, limit: int = 10) -> str:
     """Why the shards failed the job, for its final state: counts, then the first ``limit`` failed shards."""
-    failures = sorted(schedule.failures.values(), key=lambda f: f.shard)
-    head = (f"{len(failures)} of {schedule.count} shards failed (allowed: {schedule.allowed_failures})"
-            + (f"; {schedule.not_run} not run after that" if schedule.not_run else "")
+    failures = sorted(outcome.failures.values(), key=lambda f: f.shard)
+    head = (f"{len(failures)} of {outcome.count} shards failed (allowed: {outcome.allowed_failures})"
+            + (f"; {outcome.not_run} not run after that" if outcome.not_run else "")
             + ". Failed shards: " + ", ".join(str(f.shard) for f in failures[:limit])
             + (f" and {len(failures) - limit} more" if len(failures) > limit else ""))
     lines = [head]
@@ -318,7 +361,7 @@ def failure_summary(schedule: Schedule, limit: int = 10) -> str:
     return "\n".join(lines)
 
 
-def failure_rows(schedule: Schedule) -> list[dict[str, object]]:
+def failure_rows(outcome: Outcome) -> list[dict[str, object]]:
     """One table row per failed shard: index, attempts, exit code and its last log lines."""
     return [{"shard": f.shard, "attempts": f.attempts, "exit_code": f.exit_code, "last_lines": f.tail}
-            for f in sorted(schedule.failures.values(), key=lambda f: f.shard)]
+            for f in sorted(outcome.failures.values(), key=lambda f: f.shard)]

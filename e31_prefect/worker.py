@@ -41,6 +41,7 @@ from pydantic import Field, PrivateAttr, create_model
 from e31_prefect import backlog, endings, inventories, quotas, reporting, timing
 from e31_prefect.backlog_watch import Page, WatchedBacklog
 from e31_prefect.blocks import E31Storage
+from e31_prefect.command_flow import COMMAND_FLOW_ENTRYPOINT
 from e31_prefect.flow_shards import FLOW_SHARDS_ENTRYPOINT
 from e31_prefect.inventory import Inventory, discover
 from e31_prefect.job import JOB_VARIABLE_KEYS, Job, Problem, anchor, code_root, job_name
@@ -117,6 +118,7 @@ class _Configuration(DockerWorkerJobConfiguration):
     _job_folder: Path | None = PrivateAttr(default=None)
     _code_folder: Path | None = PrivateAttr(default=None)
     _entrypoint: str | None = PrivateAttr(default=None)
+    _shards_start: tuple[list[str], str] | None = PrivateAttr(default=None)
 
     @classmethod
     def json_template(cls) -> dict[str, Any]:
@@ -141,6 +143,7 @@ class _Configuration(DockerWorkerJobConfiguration):
         self._job_folder = job_folder(deployment)
         self._code_folder = code_folder(deployment)
         self._entrypoint = deployment.entrypoint if deployment else None
+        self._shards_start = shards_start(flow_run, deployment)
         entrypoint = (getattr(self, "work", None) or {}).get("flow")
         if deployment is None and entrypoint:
             # A run with no deployment (an @e31 flow) names its source file: the flow is loaded
@@ -155,6 +158,11 @@ class _Configuration(DockerWorkerJobConfiguration):
     def entrypoint(self) -> str | None:
         """The flow the run's deployment (or decorated flow) runs, where known."""
         return self._entrypoint
+
+    @property
+    def shards_start(self) -> tuple[list[str], str] | None:
+        """What a sharded command's shards run and in which folder, where known before the work starts."""
+        return self._shards_start
 
     def job(self, name: str | None = None) -> Job:
         """The validated job; raises :class:`JobError` naming each bad field.
@@ -186,6 +194,25 @@ E31JobConfiguration = create_model("E31JobConfiguration", __base__=_Configuratio
                                    **_job_fields(raw=True))
 
 
+SET_WORKING_DIRECTORY = "prefect.deployments.steps.set_working_directory"  # a local deployment's pull step
+
+
+def shards_start(flow_run: FlowRun, deployment: DeploymentResponse | None) -> tuple[list[str], str] | None:
+    """The command a run of e31's command flow gives its shards (its parameter) and the folder they run in,
+    where nothing but moving into that folder comes first (the deployment's only pull step, as e31 submit
+    and a local ``prefect deploy`` write): the job's entry can start them before Prefect loads. Else None.
+    """
+    if deployment is None or deployment.entrypoint != COMMAND_FLOW_ENTRYPOINT:
+        return None
+    steps = deployment.pull_steps or []
+    if len(steps) != 1 or list(steps[0]) != [SET_WORKING_DIRECTORY]:
+        return None
+    folder, command = steps[0][SET_WORKING_DIRECTORY].get("directory"), flow_run.parameters.get("command")
+    if not (isinstance(command, list) and command and all(isinstance(part, str) for part in command)):
+        return None
+    return (command, folder) if isinstance(folder, str) and os.path.isabs(folder) and os.path.isdir(folder) else None
+
+
 def code_folder(deployment: DeploymentResponse | None) -> Path | None:
     """Where a deployment's code lives on this host: the folder its pull step moves into (``prefect deploy``
     of local code writes a ``set_working_directory`` step, as e31 does), else its path.
@@ -195,8 +222,8 @@ def code_folder(deployment: DeploymentResponse | None) -> Path | None:
     """
     if deployment is None:
         return None
-    folders = [step["prefect.deployments.steps.set_working_directory"].get("directory")
-               for step in deployment.pull_steps or [] if "prefect.deployments.steps.set_working_directory" in step]
+    folders = [step[SET_WORKING_DIRECTORY].get("directory")
+               for step in deployment.pull_steps or [] if SET_WORKING_DIRECTORY in step]
     folders += [deployment.path] if deployment.path else []
     return next((Path(folder) for folder in folders if folder and Path(folder).is_dir()), None)
 
@@ -206,7 +233,7 @@ def job_folder(deployment: DeploymentResponse | None) -> Path | None:
     if deployment is None or not deployment.path:
         return None
     steps = deployment.pull_steps or []
-    made_by_e31 = steps == [{"prefect.deployments.steps.set_working_directory": {"directory": deployment.path}}]
+    made_by_e31 = steps == [{SET_WORKING_DIRECTORY: {"directory": deployment.path}}]
     folder = Path(deployment.path)
     return folder if made_by_e31 and folder.is_dir() else None
 

@@ -113,14 +113,15 @@ def prefect_environment(env: dict[str, str | None]) -> dict[str, str]:
     return {k: v for k, v in env.items() if v is not None and not k.startswith(WITHHELD_PREFECT)}
 
 
-def job_environment(job: Job, devices: Sequence[Device], data_dir: PurePath | str,
-                    output_dir: PurePath | str) -> dict[str, str]:
+def job_environment(job: Job, devices: Sequence[Device], data_dir: PurePath | str, output_dir: PurePath | str,
+                    shards_start: tuple[list[str], str] | None = None) -> dict[str, str]:
     """What every runtime adds for a job: its own variables, then its devices and dirs.
 
     The devices and dirs come last so a job cannot widen its own view of the host; the result
-    settings come first so a job may choose its own result storage.
+    settings come first so a job may choose its own result storage. ``shards_start``: the command and
+    folder of a sharded command's shards, where its entry may start them before Prefect loads.
     """
-    shards = ShardSettings.of(job)
+    shards = ShardSettings.of(job, *(shards_start or ()))
     return {
         **result_environment(output_dir),
         **job.work.env,

@@ -106,6 +106,7 @@ def environment(placement: Placement, home: Path) -> dict[str, str]:
     host = {k: os.environ[k] for k in HOST_VARIABLES if k in os.environ}
     return {**host, "HOME": str(home), "PREFECT_HOME": str(home / ".prefect"),
             **prefect_environment(placement.configuration.env),
-            **job_environment(placement.job, placement.devices, placement.data_dir, placement.output_dir),
+            **job_environment(placement.job, placement.devices, placement.data_dir, placement.output_dir,
+                              placement.configuration.shards_start),
             WORK_ENDED_VARIABLE: str(placement.folder.work_ended_pipe),
             API_SOCKET_VARIABLE: str(placement.folder.api_socket)}

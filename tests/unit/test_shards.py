@@ -301,7 +301,7 @@ def test_once_failures_pass_the_allowance_no_shard_starts_and_running_ones_finis
     schedule.finish(2, 0)
     assert schedule.over and not schedule.ok
     assert schedule.not_run == 7
-    summary = failure_summary(schedule)
+    summary = failure_summary(schedule.outcome())
     assert summary.splitlines()[0] == ("2 of 10 shards failed (allowed: 1); 7 not run after that. "
                                        "Failed shards: 0, 1")
 
@@ -311,11 +311,11 @@ def test_failure_summary_lists_each_failed_shard_with_its_last_line_and_caps_the
     for shard in range(30):
         schedule.take(0)
         schedule.finish(shard, 2, f"starting\nValueError: bad seed {shard}")
-    lines = failure_summary(schedule, limit=3).splitlines()
+    lines = failure_summary(schedule.outcome(), limit=3).splitlines()
     assert lines[0].endswith("Failed shards: 0, 1, 2 and 27 more")
     assert lines[1] == "  shard 0: exit 2 after 1 attempt(s): ValueError: bad seed 0"
     assert len(lines) == 4
-    assert failure_rows(schedule)[29] == {"shard": 29, "attempts": 1, "exit_code": 2,
+    assert failure_rows(schedule.outcome())[29] == {"shard": 29, "attempts": 1, "exit_code": 2,
                                           "last_lines": "starting\nValueError: bad seed 29"}
 
 
