@@ -192,6 +192,46 @@ def test_cancelling_a_sharded_run_stops_every_running_shard(prefect_server, tmp_
     assert not any(process_running(pid) for pid in pids)
 
 
+STAMP = """\
+import json, os, sys, time
+from pathlib import Path
+(Path(os.environ["E31_OUTPUT_DIR"]) / "started.json").write_text(
+    json.dumps({"at": time.time(), "cwd": os.getcwd(), "argv": sys.argv[1:]}))
+"""
+
+
+def test_shards_start_before_prefect_has_loaded_the_flow_running_the_runs_own_command(prefect_server, tmp_path,
+                                                                                        pool):
+    folder = tmp_path / "stamps"
+    folder.mkdir()
+    (folder / "stamp.py").write_text(STAMP)
+    (folder / "job.yaml").write_text(textwrap.dedent("""\
+        name: stamped-array
+        work: {command: [python, stamp.py, as-deployed], shards: 4}
+        request: {gpus: 2, max_duration: 5m}
+        output: {to: ./out/}
+        """))
+    submitted = cli("e31", "submit", str(folder / "job.yaml"), "--pool", pool)
+    assert submitted.returncode == 0, submitted.stdout + submitted.stderr
+    with get_client(sync_client=True) as client:
+        deployed = client.read_flow_run(flow_run_id(submitted.stdout))
+        client.delete_flow_run(deployed.id)
+        # A run of the deployment given another command (a custom run in the UI): its shards run that one.
+        run = client.create_flow_run_from_deployment(
+            deployed.deployment_id, parameters={"command": ["python", "stamp.py", "as-asked"]})
+    worker = subprocess.run(
+        [str(Path(sys.executable).parent / "prefect"), "worker", "start", "--pool", pool, "--type", "e31",
+         "--run-once"], env={**os.environ, "E31_GPUS": "2xH100"}, capture_output=True, text=True, timeout=240)
+    with get_client(sync_client=True) as client:
+        run = client.read_flow_run(run.id)
+    assert run.state.is_completed(), (run.state, worker.stdout[-3000:], worker.stderr[-3000:])
+    stamps = [json.loads((folder / "out" / f"shard-{i}" / "started.json").read_text()) for i in range(4)]
+    assert {tuple(stamp["argv"]) for stamp in stamps} == {("as-asked",)}
+    assert {stamp["cwd"] for stamp in stamps} == {str(folder)}
+    # Prefect marks the run Running once its engine has loaded the flow: the shards were already under way.
+    assert min(stamp["at"] for stamp in stamps) < run.start_time.timestamp()
+
+
 # -- a sharded work.flow: the same shards, each a call of the flow with its shard as parameters ------
 
 FLOW = """\

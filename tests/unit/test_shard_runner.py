@@ -1,4 +1,5 @@
-"""e31_prefect.shard_runner with real processes (no Prefect): each shard's devices, folder, log and retries."""
+"""e31_prefect.shard_runner with real processes (no Prefect): each shard's devices, folder, log and retries;
+the runner as a process of its own, and started early."""
 
 from __future__ import annotations
 
@@ -6,12 +7,20 @@ import json
 import os
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
 
-from e31_prefect.shard_runner import NoDevicesForShards, run_shards
-from e31_prefect.shards import ShardSettings
+from e31_prefect.shard_runner import (
+    NoDevicesForShards,
+    ShardProcess,
+    ShardsRunnerFailed,
+    run_shards,
+    start_early,
+    take_early,
+)
+from e31_prefect.shards import SHARDS_VARIABLE, ShardSettings
 
 PROBE = textwrap.dedent("""\
     import json, os, sys
@@ -84,3 +93,92 @@ def test_a_program_that_does_not_exist_fails_its_shards(tmp_path):
 def test_a_job_seeing_fewer_devices_than_a_shard_needs_is_told_so(tmp_path):
     with pytest.raises(NoDevicesForShards, match="each shard needs 2 GPU"):
         run_shards(["true"], ShardSettings(count=2, gpus_per_shard=2), {"CUDA_VISIBLE_DEVICES": "0"}, tmp_path)
+
+
+def test_quiet_shards_leave_only_their_folders_and_a_talking_one_its_log(tmp_path):
+    script = tmp_path / "quiet.py"
+    script.write_text("import os\nif os.environ['E31_SHARD_INDEX'] == '5': print('only five talks')\n")
+    schedule = run_shards([sys.executable, str(script)], ShardSettings(count=20), {**os.environ,
+                          "CUDA_VISIBLE_DEVICES": "0,1"}, tmp_path / "out")
+    assert schedule.ok and schedule.succeeded == 20
+    left = sorted(str(p.relative_to(tmp_path / "out")) for p in (tmp_path / "out").rglob("*"))
+    assert left == sorted([f"shard-{i}" for i in range(20)] + ["shard-5/shard.log"])  # no slot files, no empty logs
+    assert (tmp_path / "out" / "shard-5" / "shard.log").read_text() == "only five talks\n"
+
+
+def test_what_a_shard_leaves_running_writes_to_its_own_log_not_the_next_shards(tmp_path):
+    script = tmp_path / "leave.sh"
+    # Shard 0 starts a process that speaks after shard 0 exited, while shard 1 runs on the same (only) slot.
+    script.write_text('if [ "$E31_SHARD_INDEX" = 0 ]; then (sleep 1; echo "late from 0") & exit 0; fi\n'
+                      'sleep 2; echo "shard $E31_SHARD_INDEX"\n')
+    schedule = run_shards(["sh", str(script)], ShardSettings(count=2), {**os.environ, "CUDA_VISIBLE_DEVICES": "0"},
+                          tmp_path / "out")
+    assert schedule.ok
+    assert (tmp_path / "out" / "shard-0" / "shard.log").read_text() == "late from 0\n"
+    assert (tmp_path / "out" / "shard-1" / "shard.log").read_text() == "shard 1\n"
+
+
+def runner_env(tmp_path: Path, settings: ShardSettings, devices: str = "0,1", out: str = "out",
+               **extra: str) -> dict[str, str]:
+    return {**os.environ, "CUDA_VISIBLE_DEVICES": devices, "E31_OUTPUT_DIR": str(tmp_path / out),
+            SHARDS_VARIABLE: settings.to_text(), **extra}
+
+
+def test_the_runner_process_reports_progress_each_failure_and_the_outcome(tmp_path):
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    settings = ShardSettings(count=6, retries=1, allow_failed=1)
+    shards = ShardProcess([sys.executable, str(script)], settings, runner_env(tmp_path, settings, FAIL_2="once",
+                                                                              FAIL_4="always"))
+    attempts, progress = [], []
+    outcome = shards.follow(on_progress=progress.append, on_attempt=attempts.append)
+    assert outcome.ok and outcome.succeeded == 5 and outcome.retried == 2 and list(outcome.failures) == [4]
+    assert outcome.failures[4].tail.splitlines()[-1] == "shard 4: bad seed"
+    assert sorted((a.shard, a.outcome, a.number) for a in attempts) == [(2, "retry", 1), (4, "failed", 2),
+                                                                         (4, "retry", 1)]
+    assert [a.failure for a in attempts if a.outcome == "failed"] == [outcome.failures[4]]
+    assert progress[-1] == shards.progress and (progress[-1].done, progress[-1].failed) == (5, 1)
+
+
+def test_a_runner_that_cannot_run_the_shards_says_why(tmp_path):
+    settings = ShardSettings(count=2, gpus_per_shard=2)
+    shards = ShardProcess(["true"], settings, runner_env(tmp_path, settings, devices="0"))
+    with pytest.raises(ShardsRunnerFailed, match="each shard needs 2 GPU"):
+        shards.follow()
+
+
+def test_a_runner_killed_before_the_end_fails_the_shards_and_says_so(tmp_path):
+    settings = ShardSettings(count=4)
+    shards = ShardProcess(["sleep", "60"], settings, runner_env(tmp_path, settings))
+    time.sleep(1)
+    shards._process.kill()
+    with pytest.raises(ShardsRunnerFailed, match="ended .* before the shards did"):
+        shards.follow()
+
+
+def test_shards_started_early_run_in_their_folder_and_are_taken_by_the_flow_once(tmp_path):
+    folder = tmp_path / "job"
+    folder.mkdir()
+    (folder / "where.py").write_text("import os\nprint(os.getcwd())\n")
+    command = ["python", "where.py"]
+    settings = ShardSettings(count=3, command=command, folder=str(folder))
+    start_early(runner_env(tmp_path, settings, out="mismatched"))
+    with pytest.raises(RuntimeError, match="not the flow's"):  # the flow is given another command: said, not run
+        take_early(["python", "other.py"])
+    start_early(runner_env(tmp_path, settings))
+    early = take_early(command)
+    assert early is not None and take_early(command) is None
+    assert early.follow().succeeded == 3
+    assert {(tmp_path / "out" / f"shard-{i}" / "shard.log").read_text() for i in range(3)} == {f"{folder}\n"}
+
+
+def test_nothing_starts_early_where_the_worker_did_not_name_the_command(tmp_path):
+    start_early(runner_env(tmp_path, ShardSettings(count=3)))
+    assert take_early(["true"]) is None and not (tmp_path / "out").exists()
+
+
+def test_an_early_start_that_fails_fails_the_flow_that_takes_it(tmp_path):
+    settings = ShardSettings(count=1, command=["true"], folder=str(tmp_path / "gone"))
+    start_early(runner_env(tmp_path, settings))
+    with pytest.raises(FileNotFoundError):
+        take_early(["true"])
