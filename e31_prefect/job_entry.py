@@ -9,8 +9,11 @@ Prefect API, it writes to the pipe named by ``E31_WORK_ENDED``. The run's
 supervisor stops the meter there, so time the engine then spends reaching an
 API that is down is billed to nobody.
 
-Only the standard library and Prefect: this file must run in images that do
-not have e31-prefect installed.
+A sharded command's shards start here, before Prefect is imported, where the
+worker said what they run (:func:`start_shards`).
+
+Only the standard library and Prefect (e31's shard runner where it is
+installed): this file must run in images that do not have e31-prefect installed.
 """
 
 from __future__ import annotations

@@ -5,7 +5,9 @@
 # talks to it over plain HTTP, as Docker allows for registries on 127.0.0.0/8.
 set -euo pipefail
 
-port=${E31_REGISTRY_PORT:-55000}
+# Below the kernel's ephemeral range (32768-60999 here): a port in it can be taken at any moment by a
+# connection's own end or by a test server bound to port 0 (CI once found 55000 taken that way).
+port=${E31_REGISTRY_PORT:-30500}
 root=${E31_REGISTRY_ROOT:-/var/lib/e31-registry}
 user=e31
 password=${E31_REGISTRY_PASSWORD:-e31-registry-password}
