@@ -55,7 +55,9 @@ from e31_prefect.shards import (
 )
 
 SHARD_LOG = "shard.log"
+DEFAULT_SIGNALS = (signal.SIGPIPE, signal.SIGXFSZ)  # ignored by Python, restored for a shard as subprocess does
 PROGRESS_EVERY_S = 2.0  # how often a follower hears of progress while shards run
+STOP_GRACE_S = 10.0  # a stopped runner has this long to stop its shards
 
 
 class NoDevicesForShards(RuntimeError):
@@ -86,9 +88,11 @@ class SlotLog:
     """A slot's log file, where each of its shards writes its output (stdout and stderr).
 
     It is reused while its shards print nothing: ten thousand quiet shards cost no file names and leave
-    no empty files. Once a shard has printed, or left a process behind that still could, the file
-    becomes that shard's ``shard.log`` and the slot takes a new one. (A process that left the shard's
-    process group, as a daemon does, is not seen: it is expected to leave its output behind too.)
+    no empty files. Once a shard has printed, or left a process in its process group that still could,
+    the file becomes that shard's ``shard.log`` (an attempt after the first: appended to it, or kept as
+    ``shard.log.<attempt>`` if it left a process) and the slot takes a new one. A process that left the
+    shard's process group (``setsid``, as a daemon does) is not seen: if it keeps the shard's output
+    open and writes to it later, its lines land in a later shard's log on the same slot.
     """
 
     def __init__(self, output_dir: str, slot: int):
@@ -102,19 +106,22 @@ class SlotLog:
         """Add a line of e31's own (a retry's header, why a program did not start)."""
         os.write(self.fd, text.encode())
 
-    def hand_over(self, shard_log: str, left_behind: bool) -> str | None:
-        """After a shard's attempt: its output goes to ``shard_log`` (after an earlier attempt's); returns that
-        path if the attempt wrote anything, else None."""
+    def hand_over(self, shard_log: str, number: int, left_behind: bool) -> str | None:
+        """After attempt ``number`` of a shard: its output goes to ``shard_log`` (after an earlier attempt's);
+        returns the path of what it wrote, None if it wrote nothing."""
         written = os.fstat(self.fd).st_size > 0
         if not written and not left_behind:
             return None
-        if os.path.exists(shard_log):  # a retry: its output follows the earlier attempts'
+        if not os.path.exists(shard_log):
+            os.rename(self.path, shard_log)  # a process left behind still writes to its own shard's log
+        elif left_behind:  # a retry that left a process: its own file, which that process goes on writing to
+            shard_log = f"{shard_log}.{number}"
+            os.rename(self.path, shard_log)
+        else:  # a retry: its output follows the earlier attempts'
             os.lseek(self.fd, 0, os.SEEK_SET)
             with open(shard_log, "ab") as log, open(os.dup(self.fd), "rb") as attempt:
                 shutil.copyfileobj(attempt, log)
             os.unlink(self.path)
-        else:
-            os.rename(self.path, shard_log)  # a process left behind still writes to its own shard's log
         os.close(self.fd)
         self.fd = self._open()
         return shard_log if written else None
@@ -141,8 +148,10 @@ class Launcher:
 
     def __init__(self, command: Sequence[str], count: int, env: Mapping[str, str], output_dir: str):
         self.argv = program(command)
-        # Found once, on the job's PATH (as a shell would), not searched again for each of ten thousand shards.
-        self.executable = shutil.which(self.argv[0], path=env.get("PATH", os.defpath)) or self.argv[0]
+        # Found once, on the job's PATH (as a shell would), not searched again for each of ten thousand shards;
+        # a name found nowhere is not run from the current folder either.
+        found = shutil.which(self.argv[0], path=env.get("PATH", os.defpath))
+        self.executable = found or (self.argv[0] if "/" in self.argv[0] else None)
         self.count = count
         self.env = dict(env)
         self.output_dir = output_dir
@@ -161,12 +170,16 @@ class Launcher:
         if number > 1:
             log.write(f"--- e31: attempt {number} of shard {shard} ---\n")
         env = {**self.env, **shard_environment(shard, self.count, devices, folder)}
+        if self.executable is None:  # a program that does not exist fails its shard, as a shell's 127 would
+            log.write(f"e31: cannot start {self.argv[0]}: not found on PATH\n")
+            return None
         try:
-            # A process group of its own: what the shard leaves running is seen (left_behind).
-            return os.posix_spawn(self.executable, self.argv, env, setpgroup=0, file_actions=[
-                (os.POSIX_SPAWN_DUP2, self.stdin, 0), (os.POSIX_SPAWN_DUP2, log.fd, 1),
-                (os.POSIX_SPAWN_DUP2, log.fd, 2)])
-        except OSError as exc:  # a program that does not exist fails its shard, as a shell's 127 would
+            # A process group of its own: what the shard leaves running is seen (left_behind). The signals
+            # Python ignores (a closed pipe, a file too big) are the shard's to get, as from a shell.
+            return os.posix_spawn(self.executable, self.argv, env, setpgroup=0, setsigdef=DEFAULT_SIGNALS,
+                                  file_actions=[(os.POSIX_SPAWN_DUP2, self.stdin, 0),
+                                                (os.POSIX_SPAWN_DUP2, log.fd, 1), (os.POSIX_SPAWN_DUP2, log.fd, 2)])
+        except OSError as exc:
             log.write(f"e31: cannot start {self.argv[0]}: {exc.strerror or exc}\n")
             return None
 
@@ -210,7 +223,7 @@ def run_shards(command: Sequence[str], settings: ShardSettings, env: Mapping[str
     started = reported = time.monotonic()
 
     def finish(shard: int, number: int, slot: int, code: int, left: bool) -> None:
-        kept = logs[slot].hand_over(f"{launcher.folder(shard)}/{SHARD_LOG}", left)
+        kept = logs[slot].hand_over(f"{launcher.folder(shard)}/{SHARD_LOG}", number, left)
         outcome = schedule.finish(shard, code, output_tail(Path(kept)) if code and kept else "")
         free.append(slot)
         on_attempt(Attempt(shard, outcome, number, schedule.failures.get(shard)))
@@ -224,7 +237,12 @@ def run_shards(command: Sequence[str], settings: ShardSettings, env: Mapping[str
                 if pid is None:
                     finish(shard, number, slot, 127, False)
                     continue
-                pidfd = os.pidfd_open(pid)
+                try:
+                    pidfd = os.pidfd_open(pid)
+                except OSError:  # not followed, so not left running
+                    os.killpg(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)
+                    raise
                 running[pidfd] = Running(pid, shard, number, slot)
                 ends.register(pidfd, select.POLLIN)
             if not running:
@@ -239,9 +257,9 @@ def run_shards(command: Sequence[str], settings: ShardSettings, env: Mapping[str
                 reported = time.monotonic()
                 on_progress(schedule.progress(reported - started))
     finally:
-        for ended in running.values():  # only where this failed: the shards it started stop with it
+        for ended in running.values():  # only where this failed or was stopped: its shards stop with it
             with contextlib.suppress(OSError):
-                os.killpg(ended.pid, signal.SIGKILL)
+                os.killpg(ended.pid, signal.SIGTERM)
         for log in logs:
             log.close()
         launcher.close()
@@ -279,7 +297,8 @@ class ShardProcess:
     def follow(self, on_progress: Callable[[Progress], None] = lambda progress: None,
                on_attempt: Callable[[Attempt], None] = lambda attempt: None) -> Outcome:
         """Wait until the runner is done; returns how the shards ended. Callbacks as :func:`run_shards`,
-        in the caller's thread. Raises :class:`ShardsRunnerFailed` if the runner could not finish."""
+        in the caller's thread. Raises :class:`ShardsRunnerFailed` if the runner could not finish; if following
+        fails (the flow is stopped, a callback raises), the runner and its shards are stopped first."""
         try:
             while True:
                 try:
@@ -289,6 +308,9 @@ class ShardProcess:
                     continue
                 self._read(on_progress, on_attempt)
                 break
+        except BaseException:
+            self.stop()
+            raise
         finally:
             shutil.rmtree(self._folder, ignore_errors=True)
         if self._error is not None:
@@ -296,6 +318,15 @@ class ShardProcess:
         if self._outcome is None:
             raise ShardsRunnerFailed(f"the shards' runner ended (exit status {code}) before the shards did")
         return self._outcome
+
+    def stop(self) -> None:
+        """Stop the runner, which stops the shards it runs (SIGTERM to each), and wait for it."""
+        self._process.terminate()
+        try:
+            self._process.wait(STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
 
     def _read(self, on_progress: Callable[[Progress], None], on_attempt: Callable[[Attempt], None]) -> None:
         with open(self._journal, "rb") as journal:
@@ -321,6 +352,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """The shards' runner: ``python -m e31_prefect.shard_runner JOURNAL``, the shards and their command in
     ``E31_SHARDS``, the job's output dir in ``E31_OUTPUT_DIR``; run in the folder the shards run in."""
     [journal_path] = sys.argv[1:] if argv is None else argv
+    signal.signal(signal.SIGTERM, _stop)  # stopped: its shards are stopped too (run_shards' finally)
     with open(journal_path, "a", buffering=1) as journal:
         def say(**event: Any) -> None:
             journal.write(json.dumps(event, separators=(",", ":")) + "\n")
@@ -340,6 +372,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 1
         say(over=schedule.outcome().to_json())
     return 0
+
+
+def _stop(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
 
 
 _early: list[ShardProcess | BaseException] = []  # the shards the job's entry started, or why it could not
@@ -365,7 +401,8 @@ def take_early(command: Sequence[str]) -> ShardProcess | None:
     early = _early.pop()
     if isinstance(early, BaseException):
         raise early
-    if early.command != list(command):  # the worker read the same run's parameters: this is a bug, said loudly
+    if early.command != list(command):  # the run's parameters changed after the worker read them
+        early.stop()
         raise RuntimeError(f"the shards started early run {early.command}, not the flow's {list(command)}")
     return early
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from e31_prefect.ledger import process_running
 from e31_prefect.shard_runner import (
     NoDevicesForShards,
     ShardProcess,
@@ -182,3 +183,52 @@ def test_an_early_start_that_fails_fails_the_flow_that_takes_it(tmp_path):
     start_early(runner_env(tmp_path, settings))
     with pytest.raises(FileNotFoundError):
         take_early(["true"])
+
+
+def test_a_shard_gets_the_signals_python_ignores_as_a_shell_would_give_them(tmp_path):
+    # With SIGPIPE ignored (as in Python), `yes` would see a write error and say "Broken pipe".
+    schedule = run_shards(["sh", "-c", "yes | head -n 1"], ShardSettings(count=1), {**os.environ,
+                          "CUDA_VISIBLE_DEVICES": "0"}, tmp_path / "out")
+    assert schedule.ok
+    assert (tmp_path / "out" / "shard-0" / "shard.log").read_text() == "y\n"
+
+
+def test_a_program_not_on_path_is_not_run_from_the_current_folder(tmp_path, monkeypatch):
+    (tmp_path / "sim").write_text("#!/bin/sh\necho ran from the folder\n")
+    (tmp_path / "sim").chmod(0o755)
+    monkeypatch.chdir(tmp_path)
+    schedule = run_shards(["sim"], ShardSettings(count=1, allow_failed=1), {"CUDA_VISIBLE_DEVICES": "0",
+                                                                            "PATH": "/usr/bin:/bin"}, tmp_path / "out")
+    assert schedule.failures[0].exit_code == 127 and "cannot start sim: not found on PATH" in schedule.failures[0].tail
+
+
+def test_what_a_retried_attempt_leaves_running_keeps_a_log_of_its_own(tmp_path):
+    script = tmp_path / "retry.sh"
+    script.write_text('n=$(cat "$E31_OUTPUT_DIR/n" 2>/dev/null || echo 0); echo $((n + 1)) > "$E31_OUTPUT_DIR/n"\n'
+                      'if [ "$n" = 0 ]; then echo "first try"; exit 1; fi\n'
+                      '(sleep 1; echo "late from the retry") &\n')
+    schedule = run_shards(["sh", str(script)], ShardSettings(count=1, retries=1), {**os.environ,
+                          "CUDA_VISIBLE_DEVICES": "0"}, tmp_path / "out")
+    assert schedule.ok and schedule.retried == 1
+    time.sleep(2)
+    folder = tmp_path / "out" / "shard-0"
+    assert (folder / "shard.log").read_text() == "first try\n"
+    assert (folder / "shard.log.2").read_text() == "--- e31: attempt 2 of shard 0 ---\nlate from the retry\n"
+
+
+def test_shards_started_early_for_another_command_are_stopped_not_left_running(tmp_path):
+    settings = ShardSettings(count=2, command=["sh", "-c", 'echo $$ > "$E31_OUTPUT_DIR/pid"; exec sleep 60'],
+                             folder=str(tmp_path))
+    start_early(runner_env(tmp_path, settings))
+    pid_files = [tmp_path / "out" / f"shard-{i}" / "pid" for i in range(2)]
+    deadline = time.monotonic() + 30
+    while not all(path.exists() and path.read_text().strip() for path in pid_files) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    pids = [int(path.read_text()) for path in pid_files]
+    assert all(process_running(pid) for pid in pids)
+    with pytest.raises(RuntimeError, match="not the flow's"):
+        take_early(["sh", "-c", "true"])
+    deadline = time.monotonic() + 10
+    while any(process_running(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(process_running(pid) for pid in pids)
