@@ -11,6 +11,11 @@ needs for the job's own flow run: its state, its task runs and subflows, logs, a
 Which runs are the job's own is learned as it goes: its flow run, the task runs and subflow runs it
 creates, the deployment its flow run names, the artifacts it creates.
 
+Work and bills come from the worker alone: a job's subflows run in its own process (no deployment,
+pool, queue, job variables or schedulable state, now or later), its own run ends only when its work
+does, and nothing it writes (tags, artifacts, events) can look like the worker's (``e31`` tags,
+``e31-*`` artifacts, ``e31.*`` or Prefect's worker and pool events).
+
 Only the standard library: it runs in the supervisor.
 """
 
@@ -33,12 +38,34 @@ from urllib.parse import unquote, urlsplit
 
 from e31_prefect.websocket_frames import CLOSE, TEXT, Frame, FrameError, encode, read_frame
 
+END_HOLD_SECONDS = 20.0  # how long a final state of the job's run waits for the supervisor to see the work end
 JOB_API_PATH = "/api"  # the job's PREFECT_API_URL is http://127.0.0.1:PORT/api, whatever the real one is
 MAX_BODY_BYTES = 64 * 2**20  # a batch of logs or an artifact; more is not a Prefect call
 _ID = r"([0-9a-fA-F-]{36})"
 HOP_BY_HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer", "upgrade",
               "proxy-authorization", "proxy-authenticate", "host", "content-length", "accept-encoding",
               "authorization"}
+
+
+WORKER_MARK = "e31"  # the worker's tags (e31, e31:billed-s=...), artifact keys (e31-meter-...) and events
+FINAL_STATES = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED", "CANCELLING"}  # CANCELLING: the UI can no longer stop it
+# States Prefect's engine proposes for a flow run (flow_engine.py: begin_run, handle_*; flow_runs.pause_flow_run).
+# SCHEDULED is the server's answer to a FAILED with retries left, never the engine's proposal: a run a job
+# moved there would be picked up by a worker of its pool and run again.
+ENGINE_STATES = {"PENDING", "RUNNING", "PAUSED", *FINAL_STATES}
+FORCED_STATES = {"CRASHED", "CANCELLING", "CANCELLED"}  # the engine's force=True (and a subflow's PENDING)
+# A subflow is created by the engine with these fields only (client create_flow_run); a deployment, pool,
+# queue or job variables would make it a run a worker picks up, on a GPU, billed to whatever team it names.
+SUBFLOW_FIELDS = {"flow_id", "flow_version", "name", "parameters", "context", "tags", "parent_task_run_id",
+                  "state", "empirical_policy", "idempotency_key"}
+RUN_UPDATE_FIELDS = {"name", "flow_version", "empirical_policy"}  # the engine's PATCH: its name, its retries
+LABELS = {"__OTEL_TRACEPARENT"}  # the engine's only label (prefect.telemetry.run_telemetry)
+ARTIFACT_UPDATE_FIELDS = {"data", "description", "metadata_"}
+
+
+def worker_marked(name: Any) -> bool:
+    """Whether a tag, artifact key or event name is the worker's to write (``e31``, ``e31:...``, ``e31-...``)."""
+    return isinstance(name, str) and name.strip().lower().startswith(WORKER_MARK)
 
 
 @dataclass
@@ -50,7 +77,13 @@ class Owned:
     deployments: set[str] = field(default_factory=set)
     artifacts: set[str] = field(default_factory=set)
     work_queues: set[str] = field(default_factory=set)  # its flow run's queue and pool, which Prefect's
-    work_pools: set[str] = field(default_factory=set)  # engine names on each event it sends
+    work_pools: set[str] = field(default_factory=set)  # engine names on each event it sends (names and ids)
+    tags: set[str] = field(default_factory=set)  # its flow run's tags, which the engine names on its events
+    run: str | None = None  # its own flow run (the others in flow_runs are its subflows)
+
+    def __post_init__(self) -> None:
+        if self.run is None and len(self.flow_runs) == 1:
+            self.run = next(iter(self.flow_runs))
 
     def _entry_is_owned(self, entry: Any) -> bool:
         # A task's logs and artifacts carry its flow run's id; its task run may be known only to the
@@ -82,9 +115,73 @@ def _own(kind: str) -> Any:
     return check
 
 
-def _subflow_of_own_task(owned: Owned, ids: tuple[str, ...], body: Any) -> bool:
-    # Prefect's engine creates a subflow's run with the task run that stands for it in its parent.
-    return isinstance(body, dict) and str(body.get("parent_task_run_id")) in owned.task_runs
+def _subflow_of_own_task(owned: Owned, ids: tuple[str, ...], body: Any) -> bool | str:
+    # Prefect's engine creates a subflow's run with the task run that stands for it in its parent, in
+    # the job's own process: Pending, no deployment, pool, queue or job variables, no worker's tags.
+    if not isinstance(body, dict) or str(body.get("parent_task_run_id")).lower() not in owned.task_runs:
+        return False
+    if extra := sorted(set(body) - SUBFLOW_FIELDS):
+        return (f"a subflow runs in the job's own process: {', '.join(extra)} (a deployment, pool, queue or "
+                "job variables would make it a run for a worker) is not the job's to set")
+    state = body.get("state")
+    if state is not None and (not isinstance(state, dict) or state.get("type") != "PENDING"):
+        return f"a subflow starts PENDING, not {_state_type(state)!r}"
+    return _tags_refusal(body.get("tags"))
+
+
+def _state_type(state: Any) -> Any:
+    return state.get("type") if isinstance(state, dict) else state
+
+
+def _tags_refusal(tags: Any) -> bool | str:
+    """True: tags a job may set; else why not (the e31 tags carry the bill and are the worker's)."""
+    if tags is None:
+        return True
+    if not isinstance(tags, list):
+        return False
+    marked = [t for t in tags if worker_marked(t)]
+    return f"tags {marked} are the worker's (e31, e31:...): a job's tags may not start with 'e31'" if marked else True
+
+
+def _own_run_update(owned: Owned, ids: tuple[str, ...], body: Any) -> bool | str:
+    # Its name and retries; never its tags (the bill), parameters, job variables or infrastructure.
+    if ids[0] not in owned.flow_runs or not isinstance(body, dict):
+        return False
+    extra = sorted(set(body) - RUN_UPDATE_FIELDS)
+    allowed = ", ".join(sorted(RUN_UPDATE_FIELDS))
+    return f"a job may change its run's {allowed}, not {', '.join(extra)}" if extra else True
+
+
+def _own_run_labels(owned: Owned, ids: tuple[str, ...], body: Any) -> bool | str:
+    if ids[0] not in owned.flow_runs or not isinstance(body, dict):
+        return False
+    extra = sorted(set(body) - LABELS)
+    return f"labels {', '.join(extra)} are not a job's to set (only {', '.join(LABELS)})" if extra else True
+
+
+def _own_run_state(owned: Owned, ids: tuple[str, ...], body: Any) -> bool | str:
+    """A state the engine proposes for one of the job's runs. Whether its own run may end yet is the
+    gateway's to judge (:meth:`Gateway.may_end`): it needs the work's end, which only the supervisor knows."""
+    state = body.get("state") if isinstance(body, dict) else None
+    if ids[0] not in owned.flow_runs or not isinstance(state, dict):
+        return False
+    kind, force = state.get("type"), body.get("force", False)
+    subflow = ids[0] != owned.run
+    details = state.get("state_details") if isinstance(state.get("state_details"), dict) else {}
+    if kind not in ENGINE_STATES or kind == "PENDING" and not subflow:
+        # SCHEDULED (or its own run PENDING again) is a run for a worker of its pool, to run again.
+        return f"a job's {'subflow' if subflow else 'run'} may not be moved to {kind!r} (a worker would pick it up)"
+    if kind == "PAUSED" and details.get("pause_reschedule"):
+        return "a job's run may pause, not suspend: a suspended run is rescheduled for a worker"
+    if force not in (False, None) and not (force is True and (kind in FORCED_STATES or kind == "PENDING")):
+        return f"force={force!r} is the engine's for {', '.join(sorted(FORCED_STATES))} only, not {kind!r}"
+    return True
+
+
+def _task_of_own_flow(owned: Owned, ids: tuple[str, ...], body: Any) -> bool | str:
+    if not isinstance(body, dict) or str(body.get("flow_run_id")).lower() not in owned.flow_runs:
+        return False
+    return _tags_refusal(body.get("tags"))
 
 
 def _filter_of_own_runs(owned: Owned, ids: tuple[str, ...], body: Any) -> bool:
@@ -105,13 +202,25 @@ def _filter_of_own_runs(owned: Owned, ids: tuple[str, ...], body: Any) -> bool:
     return False
 
 
-def _task_of_own_flow(owned: Owned, ids: tuple[str, ...], body: Any) -> bool:
-    return isinstance(body, dict) and str(body.get("flow_run_id")) in owned.flow_runs
-
-
 def _own_entries(owned: Owned, ids: tuple[str, ...], body: Any) -> bool:
     entries = body if isinstance(body, list) else [body]
     return bool(entries) and all(owned._entry_is_owned(entry) for entry in entries)
+
+
+def _own_artifact(owned: Owned, ids: tuple[str, ...], body: Any) -> bool | str:
+    # An e31-* key is the worker's: `e31 usage` bills a run from its e31-meter artifact.
+    if not isinstance(body, dict) or not _own_entries(owned, ids, body):
+        return False
+    key = body.get("key")
+    return f"artifact key {key!r} is the worker's (e31-...): choose a key not starting with 'e31'" \
+        if worker_marked(key) else True
+
+
+def _own_artifact_update(owned: Owned, ids: tuple[str, ...], body: Any) -> bool | str:
+    if ids[0] not in owned.artifacts or not isinstance(body, dict):
+        return False
+    extra = sorted(set(body) - ARTIFACT_UPDATE_FIELDS)
+    return f"an artifact's {', '.join(extra)} cannot change (only its data, description, metadata)" if extra else True
 
 
 # (method, path under the API root, check): Prefect's engine's calls for one flow run, and nothing else.
@@ -122,9 +231,9 @@ ROUTES: list[tuple[str, re.Pattern[str], Any]] = [
         ("GET", r"/csrf-token", _always),
         ("GET", r"/admin/storage", _always),  # where the server keeps results by default (a block's id)
         ("GET", rf"/flow_runs/{_ID}", _own("flow_runs")),
-        ("PATCH", rf"/flow_runs/{_ID}", _own("flow_runs")),
-        ("PATCH", rf"/flow_runs/{_ID}/labels", _own("flow_runs")),
-        ("POST", rf"/flow_runs/{_ID}/set_state", _own("flow_runs")),
+        ("PATCH", rf"/flow_runs/{_ID}", _own_run_update),
+        ("PATCH", rf"/flow_runs/{_ID}/labels", _own_run_labels),
+        ("POST", rf"/flow_runs/{_ID}/set_state", _own_run_state),
         ("GET", rf"/flow_runs/{_ID}/input(?:/[^/]+)?", _own("flow_runs")),
         ("POST", rf"/flow_runs/{_ID}/input(?:/[^/]+)?", _own("flow_runs")),
         ("POST", r"/flow_runs/?", _subflow_of_own_task),
@@ -138,8 +247,8 @@ ROUTES: list[tuple[str, re.Pattern[str], Any]] = [
         ("GET", rf"/task_runs/{_ID}", _own("task_runs")),
         ("POST", rf"/task_runs/{_ID}/set_state", _own("task_runs")),
         ("POST", r"/logs/?", _own_entries),
-        ("POST", r"/artifacts/?", _own_entries),
-        ("PATCH", rf"/artifacts/{_ID}", _own("artifacts")),
+        ("POST", r"/artifacts/?", _own_artifact),
+        ("PATCH", rf"/artifacts/{_ID}", _own_artifact_update),
         ("GET", r"/events/in", _always),  # the events websockets, judged message by message
         ("GET", r"/events/out", _always),
     ]
@@ -152,8 +261,11 @@ def refusal(method: str, route: str, body: Any, owned: Owned) -> str | None:
         matched = pattern.fullmatch(route)
         if matched and method == allowed_method:
             ids = tuple(unquote(i).lower() for i in matched.groups())
-            if check(owned, ids, body):
+            verdict = check(owned, ids, body)
+            if verdict is True:
                 return None
+            if isinstance(verdict, str):
+                return f"{method} {route}: {verdict}"
             return f"{method} {route} touches a run or object that is not this job's own"
     return f"{method} {route} is not a call a job's own flow run needs"
 
@@ -177,6 +289,11 @@ def learn(method: str, route: str, answer: Any, owned: Owned) -> None:
                            ("work_pool_name", owned.work_pools)):
             if answer.get(key):
                 known.add(str(answer[key]).lower())
+        owned.tags.update(str(t) for t in answer.get("tags") or [] if isinstance(answer.get("tags"), list))
+    elif method == "GET" and re.fullmatch(rf"/deployments/{_ID}", route):
+        owned.tags.update(str(t) for t in answer.get("tags") or [] if isinstance(answer.get("tags"), list))
+    elif method == "GET" and re.fullmatch(r"/work_pools/([^/]+)", route):
+        owned.work_pools.add(str(answer["id"]).lower())  # events name a pool by its id
 
 
 def _flow_runs_named(event: Any) -> list[str] | None:
@@ -188,15 +305,65 @@ def _flow_runs_named(event: Any) -> list[str] | None:
     return [i.removeprefix("prefect.flow-run.").lower() for i in ids if i.startswith("prefect.flow-run.")]
 
 
-def event_from_job(event: Any, owned: Owned) -> bool:
-    """Whether an event the job sends may pass: it names no flow run but the job's own. A task run it
-    reports about its own flow run becomes the job's own."""
-    named = _flow_runs_named(event)
-    if named is None or not all(i in owned.flow_runs for i in named):
+def _kind_and_id(resource: Any) -> tuple[str, str] | None:
+    """``prefect.flow-run.<id>`` as ("flow-run", "<id>"); None for anything not a Prefect object."""
+    rid = resource.get("prefect.resource.id") if isinstance(resource, dict) else None
+    if not isinstance(rid, str) or not rid.startswith("prefect."):
+        return None
+    kind, _, ident = rid.removeprefix("prefect.").partition(".")
+    return (kind, ident) if ident else None
+
+
+def _related_is_own(resource: Any, owned: Owned, task_run: str | None) -> bool:
+    """A related resource the engine names on a job's events: its own runs, flow, deployment, queue,
+    pool and tags, each in the role of its kind (a role names what a resource is to automations)."""
+    found = _kind_and_id(resource)
+    if found is None:
         return False
-    resource = str(event["resource"].get("prefect.resource.id", ""))
-    if resource.startswith("prefect.task-run.") and named:
-        owned.task_runs.add(resource.removeprefix("prefect.task-run.").lower())
+    kind, ident = found
+    if resource.get("prefect.resource.role") != kind:
+        return False
+    if kind == "tag":
+        return not worker_marked(ident) or ident in owned.tags  # its run's e31 tags, as the worker set them
+    known = {"flow-run": owned.flow_runs, "task-run": owned.task_runs | {task_run}, "deployment": owned.deployments,
+             "work-queue": owned.work_queues, "work-pool": owned.work_pools}.get(kind)
+    if kind == "flow":
+        return True  # a flow is a name; its runs are what is guarded
+    return known is not None and ident.lower() in known
+
+
+def event_from_job(event: Any, owned: Owned) -> bool:
+    """Whether an event the job sends may pass: about its own flow run, one of its task runs or
+    artifacts, with only its own objects related, and named like none of the worker's or Prefect's
+    own events about pools, workers, deployments or run states (automations and alerts act on those).
+    A task run it reports about its own flow run becomes the job's own."""
+    if not isinstance(event, dict) or not isinstance(event.get("event"), str):
+        return False
+    name = event["event"].strip().lower()
+    found = _kind_and_id(event.get("resource"))
+    related = event.get("related") or []
+    if found is None or worker_marked(name) or not isinstance(related, list):
+        return False
+    kind, ident = found[0], found[1].lower()
+    if kind == "flow-run":
+        # Its state events are the server's; the engine sends only heartbeats about it.
+        allowed = ident in owned.flow_runs and (name == "prefect.flow-run.heartbeat" or not name.startswith("prefect"))
+    elif kind == "task-run":
+        payload = event.get("payload") if isinstance(event.get("payload"), dict) else {}
+        task = payload.get("task_run") if isinstance(payload.get("task_run"), dict) else {}
+        parent = any(_kind_and_id(r) == ("flow-run", f) and r.get("prefect.resource.role") == "flow-run"
+                     for r in related for f in owned.flow_runs)
+        allowed = ((ident in owned.task_runs or parent)
+                   and (name.startswith("prefect.task-run.") or not name.startswith("prefect"))
+                   and _tags_refusal(task.get("tags")) is True)
+    elif kind == "artifact":
+        allowed = ident in owned.artifacts and name in ("prefect.artifact.created", "prefect.artifact.updated")
+    else:
+        allowed = False
+    if not allowed or not all(_related_is_own(r, owned, ident if kind == "task-run" else None) for r in related):
+        return False
+    if kind == "task-run":
+        owned.task_runs.add(ident)
     return True
 
 
@@ -244,6 +411,9 @@ class _Handler(BaseHTTPRequestHandler):
         body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
         parsed = _body_json(body)
         why = refusal(self.command, route, parsed, gateway.owned) if route is not None else "not the Prefect API"
+        own_run = route is not None and route.lower().startswith(f"/flow_runs/{gateway.owned.run}")
+        if why is None and own_run and route.endswith("/set_state"):
+            why = gateway.end_refusal(parsed)
         if why is not None:
             gateway._refuse(why)
             return self._answer(403, f"e31: {why}; a running job reaches only its own flow run")
@@ -252,8 +422,11 @@ class _Handler(BaseHTTPRequestHandler):
         headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP_BY_HOP}
         headers.update(gateway.headers)
         headers["Host"] = gateway.netloc
-        status, reason, answer_headers, answer = gateway.call(self.command, gateway.upstream_path(self.path), body,
-                                                              headers, self)
+        # Its own run's changes one at a time: a FAILED judged to have retries left is not raced by a
+        # PATCH of those retries.
+        with gateway.own_run_lock if own_run else contextlib.nullcontext():
+            status, reason, answer_headers, answer = gateway.call(self.command, gateway.upstream_path(self.path),
+                                                                  body, headers, self)
         with contextlib.suppress(Exception):
             learn(self.command, route, json.loads(answer) if answer else None, gateway.owned)
         self.send_response(status, reason)
@@ -337,6 +510,8 @@ class Gateway:
         self.token = token  # the API key or auth string, for the events websockets' own auth message
         self.owned = Owned(flow_runs={flow_run_id.lower()})
         self.refused: list[str] = []
+        self.work_ending = threading.Event()  # set by the supervisor: the work said it ended, or is being stopped
+        self.own_run_lock = threading.Lock()
         self._local = threading.local()
         self.server = _Server(listening.getsockname(), _Handler, bind_and_activate=False)
         self.server.socket.close()
@@ -369,6 +544,42 @@ class Gateway:
         if isinstance(message, dict) and message.get("type") == "event":
             return text if event_for_job(message.get("event"), self.owned) else None
         return text
+
+    def end_refusal(self, body: Any) -> str | None:
+        """Why a state for the job's own run may not pass yet (None: it may).
+
+        A final state (or Cancelling) passes only once the supervisor knows the work is ending: the job's
+        entry says so just before its engine reports the final state, and a stop sets it too. Before
+        that, a Completed or Cancelled run whose work goes on could no longer be cancelled from the UI,
+        and would keep its GPUs to its time limit. The call is held a moment for the supervisor to read
+        the work's word. One exception: a FAILED while the run has retries left, which the server turns
+        into a retry (AwaitingRetry), not an end (core_policy.RetryFailedFlows).
+        """
+        state = body.get("state") if isinstance(body, dict) else None
+        kind = state.get("type") if isinstance(state, dict) else None
+        if kind not in FINAL_STATES or self.work_ending.is_set():
+            return None
+        if kind == "FAILED" and body.get("force") in (False, None) and self._retries_left():
+            return None
+        if self.work_ending.wait(END_HOLD_SECONDS):
+            return None
+        return (f"its own run goes {kind} only when its work ends (the engine reports it as the flow returns); "
+                "the worker reports how the work ended")
+
+    def _retries_left(self) -> bool:
+        """Whether the job's run has a retry left, as the server will judge a FAILED (read upstream)."""
+        with contextlib.suppress(Exception):
+            cls = http.client.HTTPSConnection if self.https else http.client.HTTPConnection
+            connection = cls(self.host, self.port, timeout=30)
+            try:
+                connection.request("GET", f"{self.base_path}/flow_runs/{self.owned.run}",
+                                   headers={**self.headers, "Host": self.netloc})
+                run = json.loads(connection.getresponse().read())
+            finally:
+                connection.close()
+            retries = (run.get("empirical_policy") or {}).get("retries")
+            return retries is not None and int(run.get("run_count") or 0) <= int(retries)
+        return False
 
     def _refuse(self, why: str) -> None:
         self.refused.append(why)

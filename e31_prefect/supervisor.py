@@ -339,6 +339,7 @@ class Supervisor:
         self.stop_at = moment(spec.stop_at)
         self.kill_at: datetime | None = None
         self.report_by: datetime | None = None
+        self.ending = threading.Event()  # the work said it ended or is being stopped: its run may end (gateway)
 
     def save(self) -> None:
         """Write the record as it stands."""
@@ -360,7 +361,7 @@ class Supervisor:
         self.record.infrastructure, self.record.started = infrastructure, now().isoformat()
         self.save()
         # Served only once the work is started: a thread must not run while the work's process forks.
-        gateway = _serve_gateway(self.spec)
+        gateway = _serve_gateway(self.spec, self.ending)
         try:
             exit_ = self._supervise(pipe)
         finally:
@@ -405,6 +406,7 @@ class Supervisor:
         self.record.work_ended = now().isoformat()
         self.report_by = now() + timedelta(seconds=self.spec.report_grace_seconds)
         self.save()
+        self.ending.set()
         return True
 
     def _enforce(self) -> None:
@@ -424,6 +426,7 @@ class Supervisor:
     def _begin_stop(self, reason: str, at: datetime, grace: float) -> None:
         self.record.stop_reason, self.record.stop_requested = reason, at.isoformat()
         self.save()
+        self.ending.set()
         if grace > 0:
             self.work.terminate(grace)
             extra = CONTAINER_STOP_EXTRA_SECONDS if isinstance(self.work, ContainerWork) else 0.0
@@ -475,14 +478,16 @@ def _signal_pipe(stop: threading.Event) -> int:
     return read
 
 
-def _serve_gateway(spec: Spec) -> Gateway | None:
-    """The run's API gateway on the socket the worker made (None: the job talks to no Prefect API)."""
+def _serve_gateway(spec: Spec, ending: threading.Event) -> Gateway | None:
+    """The run's API gateway on the socket the worker made (None: the job talks to no Prefect API); its
+    run may end once ``ending`` is set."""
     if spec.api_upstream is None or spec.api_socket_fd is None:
         return None
     listening = socket.socket(fileno=spec.api_socket_fd)
     os.set_inheritable(listening.fileno(), False)  # the work never holds it
     gateway = Gateway(listening, spec.api_upstream, spec.run_id, auth_header(spec.api_key, spec.api_auth_string),
                       token=spec.api_key or spec.api_auth_string)
+    gateway.work_ending = ending
     gateway.serve()
     return gateway
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import threading
 from uuid import uuid4
 
 import pytest
@@ -83,7 +84,7 @@ def test_what_a_job_creates_or_reads_of_its_own_becomes_its_own():
     assert refusal("GET", "/work_pools/GPU%20Pool", None, mine) is None
     assert refusal("GET", "/work_pools/other-pool", None, mine) is not None
     assert refusal("POST", f"/task_runs/{task}/set_state", {}, mine) is None
-    assert refusal("POST", f"/flow_runs/{child}/set_state", {}, mine) is None
+    assert refusal("POST", f"/flow_runs/{child}/set_state", {"state": {"type": "RUNNING"}}, mine) is None
     assert refusal("PATCH", f"/artifacts/{artifact}", {}, mine) is None
 
 
@@ -93,7 +94,7 @@ def test_events_a_job_sends_name_no_run_but_its_own():
     own = {"event": "prefect.task-run.Completed", "resource": {"prefect.resource.id": f"prefect.task-run.{task}"},
            "related": [{"prefect.resource.id": f"prefect.flow-run.{RUN}", "prefect.resource.role": "flow-run"}]}
     forged = {"event": "prefect.flow-run.Completed", "resource": {"prefect.resource.id": f"prefect.flow-run.{OTHER}"}}
-    custom = {"event": "model.saved", "resource": {"prefect.resource.id": "acme.model.7"}}
+    custom = {"event": "model.saved", "resource": {"prefect.resource.id": f"prefect.flow-run.{RUN}"}}
     assert event_from_job(own, mine) and task in mine.task_runs  # its task runs become its own
     assert not event_from_job(forged, mine)
     assert not event_from_job({**own, "related": [*own["related"], forged["resource"]]}, mine)
@@ -158,3 +159,207 @@ def test_the_job_sees_root_only_folders_only_as_far_as_what_it_needs(tmp_path):
     view = plan_view([python, code, python / "lib", open_folder], passable)
     assert view == View(covers=[tmp_path / "root"], shows=[python, code])
     assert plan_view([open_folder], passable) == View()
+
+
+# Issue 21: work and bills come from the worker alone. Each case is an attack a running job tried.
+DEPLOYMENT, QUEUE, POOL_ID = "5b0d7a62-0f0e-4a39-9a4a-3d0bd1c1c0de", "7f6c1f0e-51a4-4c55-8a43-2a9d2b6f0a11", \
+    "0a3e4f55-7c1b-4d2e-9f3a-6b5c4d3e2f1a"
+
+
+def known() -> Owned:
+    mine = Owned(flow_runs={RUN}, task_runs={TASK}, run=RUN)
+    learn("GET", f"/flow_runs/{RUN}", {"id": RUN, "deployment_id": DEPLOYMENT, "work_queue_id": QUEUE,
+                                        "work_pool_name": "gpu", "tags": ["e31", "e31:team=vision"]}, mine)
+    learn("GET", "/work_pools/gpu", {"id": POOL_ID, "name": "gpu"}, mine)
+    return mine
+
+
+def with_child() -> tuple[Owned, str]:
+    mine, child = known(), str(uuid4())
+    learn("POST", "/flow_runs/", {"id": child}, mine)
+    return mine, child
+
+
+SUBFLOW = {"flow_id": str(uuid4()), "name": "child", "parameters": {}, "context": {}, "tags": [],
+           "parent_task_run_id": TASK, "state": {"type": "PENDING", "name": "Pending"},
+           "empirical_policy": {"retries": 0, "retry_delay": 0}}
+
+
+@pytest.mark.parametrize(("body", "why"), [
+    ({**SUBFLOW, "deployment_id": DEPLOYMENT}, "deployment_id"),
+    ({**SUBFLOW, "work_pool_name": "gpu", "work_queue_name": "default"}, "work_pool_name, work_queue_name"),
+    ({**SUBFLOW, "job_variables": {"team": "research"}}, "job_variables"),
+    ({**SUBFLOW, "infrastructure_document_id": str(uuid4())}, "infrastructure_document_id"),
+    ({**SUBFLOW, "state": {"type": "SCHEDULED"}}, "'SCHEDULED'"),
+    ({**SUBFLOW, "state": {"type": "RUNNING"}}, "'RUNNING'"),
+    ({**SUBFLOW, "tags": ["e31:billed-s=0"]}, "e31:billed-s=0"),
+    ({**SUBFLOW, "tags": ["E31:team=research"]}, "E31:team=research"),
+])
+def test_a_job_cannot_create_a_subflow_a_worker_would_run_or_bill(body, why):
+    assert why in (refusal("POST", "/flow_runs/", body, known()) or "passed")
+
+
+def test_the_engines_own_subflow_passes():
+    assert refusal("POST", "/flow_runs/", SUBFLOW, known()) is None
+    assert refusal("POST", "/flow_runs/", {k: v for k, v in SUBFLOW.items() if k != "state"}, known()) is None
+
+
+@pytest.mark.parametrize("target", ["own", "child"])
+@pytest.mark.parametrize(("method", "tail", "body", "why"), [
+    ("POST", "/set_state", {"state": {"type": "SCHEDULED"}}, "'SCHEDULED'"),
+    ("POST", "/set_state", {"state": {"type": "SCHEDULED"}, "force": True}, "'SCHEDULED'"),
+    ("POST", "/set_state", {"state": {"type": "AWAITINGRETRY"}}, "AWAITINGRETRY"),
+    ("POST", "/set_state", {"state": {"type": "RUNNING"}, "force": True}, "force=True"),
+    ("POST", "/set_state", {"state": {"type": "COMPLETED"}, "force": True}, "force=True"),
+    ("POST", "/set_state", {"state": {"type": "PAUSED", "state_details": {"pause_reschedule": True}}}, "suspend"),
+    ("POST", "/set_state", {"state": "COMPLETED"}, "not this job's own"),
+    ("PATCH", "", {"tags": ["e31", "e31:billed-s=0"]}, "not tags"),
+    ("PATCH", "", {"job_variables": {"team": "research"}}, "not job_variables"),
+    ("PATCH", "", {"parameters": {"command": ["mine"]}}, "not parameters"),
+    ("PATCH", "", {"infrastructure_pid": "e31:host:x"}, "not infrastructure_pid"),
+    ("PATCH", "/labels", {"prefect.deployment.id": DEPLOYMENT}, "prefect.deployment.id"),
+])
+def test_a_job_cannot_move_its_runs_to_a_worker_or_change_their_bill(target, method, tail, body, why):
+    mine, child = with_child()
+    run = RUN if target == "own" else child
+    assert why in (refusal(method, f"/flow_runs/{run}{tail}", body, mine) or "passed")
+
+
+def test_its_own_run_may_not_go_pending_again_but_a_subflow_may():
+    mine, child = with_child()
+    assert "'PENDING'" in refusal("POST", f"/flow_runs/{RUN}/set_state", {"state": {"type": "PENDING"}}, mine)
+    assert refusal("POST", f"/flow_runs/{child}/set_state", {"state": {"type": "PENDING", "name": "NotReady"},
+                                                             "force": True}, mine) is None
+
+
+@pytest.mark.parametrize("target", ["own", "child"])
+@pytest.mark.parametrize(("method", "tail", "body"), [
+    ("POST", "/set_state", {"state": {"type": "RUNNING"}}),
+    ("POST", "/set_state", {"state": {"type": "COMPLETED"}}),
+    ("POST", "/set_state", {"state": {"type": "FAILED"}, "force": False}),
+    ("POST", "/set_state", {"state": {"type": "CRASHED"}, "force": True}),
+    ("POST", "/set_state", {"state": {"type": "CANCELLING"}, "force": True}),
+    ("POST", "/set_state", {"state": {"type": "CANCELLED"}, "force": True}),
+    ("POST", "/set_state", {"state": {"type": "PAUSED", "state_details": {"pause_reschedule": False}}}),
+    ("PATCH", "", {"name": "renamed"}),
+    ("PATCH", "", {"flow_version": "abc", "empirical_policy": {"retries": 2, "retry_delay": 0}}),
+    ("PATCH", "/labels", {"__OTEL_TRACEPARENT": "00-abc-def-01"}),
+])
+def test_the_engines_own_state_and_update_calls_pass(target, method, tail, body):
+    mine, child = with_child()
+    run = RUN if target == "own" else child
+    assert refusal(method, f"/flow_runs/{run}{tail}", body, mine) is None
+
+
+def test_task_runs_and_artifacts_carry_no_worker_marks():
+    mine = known()
+    artifact = str(uuid4())
+    learn("POST", "/artifacts/", {"id": artifact}, mine)
+    assert "e31:team=research" in refusal("POST", "/task_runs/", {"flow_run_id": RUN, "tags": ["e31:team=research"]},
+                                          mine)
+    assert refusal("POST", "/task_runs/", {"flow_run_id": RUN, "tags": ["nightly"]}, mine) is None
+    for key in ("e31-meter-train", "E31-meter", "e31-outputs-x"):
+        assert f"{key!r} is the worker's" in refusal("POST", "/artifacts/", {"flow_run_id": RUN, "key": key,
+                                                                            "type": "table", "data": "[]"}, mine)
+    assert refusal("POST", "/artifacts/", {"flow_run_id": RUN, "key": "my-table", "data": "[]"}, mine) is None
+    assert "key" in refusal("PATCH", f"/artifacts/{artifact}", {"key": "e31-meter-x", "data": "[]"}, mine)
+    assert "flow_run_id" in refusal("PATCH", f"/artifacts/{artifact}", {"flow_run_id": OTHER}, mine)
+    assert refusal("PATCH", f"/artifacts/{artifact}", {"data": "# new", "description": "d"}, mine) is None
+
+
+def flow_run_event(name, related=(), **resource):
+    return {"event": name, "resource": {"prefect.resource.id": f"prefect.flow-run.{RUN}", **resource},
+            "related": list(related)}
+
+
+def related(kind, ident, role=None):
+    return {"prefect.resource.id": f"prefect.{kind}.{ident}", "prefect.resource.role": role or kind}
+
+
+def context_related():
+    """What Prefect's events worker adds to each event a job's engine sends (related_resources_from_run_context)."""
+    return [related("flow-run", RUN), related("flow", str(uuid4())), related("deployment", DEPLOYMENT),
+            related("work-queue", QUEUE), related("work-pool", POOL_ID), related("tag", "e31"),
+            related("tag", "e31:team=vision")]
+
+
+@pytest.mark.parametrize("event", [
+    {"event": "e31.job.deadline-missed", "resource": {"prefect.resource.id": "e31.job.x"}},
+    {"event": "e31.job.deadline-missed", "resource": {"prefect.resource.id": "prefect.deployment.1"}},
+    {"event": "prefect.work-pool.not-ready", "resource": {"prefect.resource.id": f"prefect.work-pool.{POOL_ID}"}},
+    {"event": "prefect.worker.heartbeat", "resource": {"prefect.resource.id": "prefect.worker.e31.w1"}},
+    {"event": "acme.model.saved", "resource": {"prefect.resource.id": "acme.model.7"}},
+    {"event": "nothing named", "resource": {}},
+    flow_run_event("e31.job.released"),
+    flow_run_event("E31.job.deadline-missed"),
+    flow_run_event("prefect.flow-run.Completed"),
+    flow_run_event("prefect.work-pool.not-ready"),
+    flow_run_event("prefect.worker.heartbeat"),
+    flow_run_event("model.saved", [related("flow-run", RUN, role="deployment")]),
+    flow_run_event("model.saved", [related("deployment", str(uuid4()))]),
+    flow_run_event("model.saved", [related("deployment", DEPLOYMENT, role="flow-run")]),
+    flow_run_event("model.saved", [related("work-pool", str(uuid4()))]),
+    flow_run_event("model.saved", [related("work-queue", str(uuid4()))]),
+    flow_run_event("model.saved", [related("tag", "e31:billed-s=0")]),
+    flow_run_event("model.saved", [{"prefect.resource.id": "acme.thing.1", "prefect.resource.role": "x"}]),
+    flow_run_event("model.saved", "not a list"),
+    {"event": "prefect.task-run.Completed", "resource": {"prefect.resource.id": f"prefect.task-run.{uuid4()}"},
+     "related": [related("flow-run", RUN)], "payload": {"task_run": {"tags": ["e31:team=research"]}}},
+    {"event": "prefect.task-run.Completed", "resource": {"prefect.resource.id": f"prefect.task-run.{uuid4()}"},
+     "related": [related("flow-run", RUN, role="parent")]},
+    {"event": "prefect.artifact.created", "resource": {"prefect.resource.id": f"prefect.artifact.{uuid4()}"}},
+])
+def test_a_job_cannot_send_the_workers_or_prefects_events(event):
+    assert not event_from_job(event, known())
+
+
+def test_the_engines_own_events_pass_with_what_prefect_relates_to_them():
+    mine = known()
+    task, artifact = str(uuid4()), str(uuid4())
+    learn("POST", "/artifacts/", {"id": artifact}, mine)
+    task_event = {"event": "prefect.task-run.Running",
+                  "resource": {"prefect.resource.id": f"prefect.task-run.{task}", "prefect.state-type": "RUNNING"},
+                  "related": [related("tag", "nightly"), *context_related()],
+                  "payload": {"task_run": {"name": "step", "tags": ["nightly"]}}}
+    assert event_from_job(task_event, mine) and task in mine.task_runs
+    assert event_from_job({**task_event, "event": "prefect.task-run.Completed",
+                           "related": [*context_related(), related("task-run", task)]}, mine)
+    assert event_from_job(flow_run_event("prefect.flow-run.heartbeat", context_related()), mine)
+    assert event_from_job(flow_run_event("model.saved", context_related()), mine)
+    assert event_from_job({"event": "prefect.artifact.created", "related": context_related(),
+                           "resource": {"prefect.resource.id": f"prefect.artifact.{artifact}"}}, mine)
+
+
+def door(run_has_retries=False) -> gateway.Gateway:
+    """A gateway with no socket: only its judgement of the job's own run's end."""
+    made = gateway.Gateway.__new__(gateway.Gateway)
+    made.owned, made.refused, made.work_ending = known(), [], threading.Event()
+    made._retries_left = lambda: run_has_retries
+    return made
+
+
+@pytest.mark.parametrize("kind", ["COMPLETED", "CANCELLED", "CANCELLING", "CRASHED", "FAILED"])
+def test_its_own_run_ends_only_when_its_work_does(kind, monkeypatch):
+    monkeypatch.setattr(gateway, "END_HOLD_SECONDS", 0.05)
+    early = door()
+    force = kind in ("CANCELLED", "CANCELLING", "CRASHED")
+    why = early.end_refusal({"state": {"type": kind}, "force": force})
+    assert why and f"goes {kind} only when its work ends" in why
+    ended = door()
+    ended.work_ending.set()
+    assert ended.end_refusal({"state": {"type": kind}, "force": force}) is None
+    assert door().end_refusal({"state": {"type": "RUNNING"}}) is None
+
+
+def test_a_final_state_waits_for_the_supervisor_to_read_the_works_end(monkeypatch):
+    monkeypatch.setattr(gateway, "END_HOLD_SECONDS", 30.0)
+    held = door()
+    threading.Timer(0.2, held.work_ending.set).start()  # the engine says "ended" just before it reports
+    assert held.end_refusal({"state": {"type": "COMPLETED"}}) is None
+
+
+def test_a_failed_with_retries_left_is_a_retry_not_an_end(monkeypatch):
+    monkeypatch.setattr(gateway, "END_HOLD_SECONDS", 0.05)
+    assert door(run_has_retries=True).end_refusal({"state": {"type": "FAILED"}}) is None
+    assert door(run_has_retries=True).end_refusal({"state": {"type": "COMPLETED"}}) is not None
+    assert door(run_has_retries=False).end_refusal({"state": {"type": "FAILED"}}) is not None
