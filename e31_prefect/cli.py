@@ -151,9 +151,7 @@ def _queue(args: argparse.Namespace) -> int:
 
 
 async def _read_usage(since: datetime, until: datetime):
-    """Each finished E31 run scheduled in [since, until], with its meter."""
-    import json
-
+    """Each finished E31 run scheduled in [since, until], with its meter (a malformed one is named and skipped)."""
     from prefect import get_client
     from prefect.client.schemas.filters import (
         ArtifactFilter,
@@ -163,7 +161,7 @@ async def _read_usage(since: datetime, until: datetime):
         FlowRunFilterTags,
     )
 
-    from e31_prefect.usage import RunUsage, meter_from_table
+    from e31_prefect.usage import MalformedMeter, RunUsage, gpus_of, meter_from_table, meter_rows
 
     found = []
     async with get_client() as client:
@@ -182,14 +180,20 @@ async def _read_usage(since: datetime, until: datetime):
             tags = {t.split("=", 1)[0]: t.split("=", 1)[1] for t in flow_run.tags if "=" in t}
             if "e31:billed-s" not in tags:
                 continue  # not closed yet
+            # The worker's meter (a job's gateway refuses e31-* keys): the table it wrote last, if several.
             meters = [a for a in await client.read_artifacts(artifact_filter=ArtifactFilter(
                 flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run.id]))) if a.key and a.key.startswith("e31-meter")]
             if not meters:
                 continue
+            meter = max(meters, key=lambda a: a.created or datetime.min.replace(tzinfo=timezone.utc))
+            try:
+                gpus = gpus_of(tags)
+                billed, run_seconds, queue = meter_from_table(meter_rows(meter.data), gpus)
+            except MalformedMeter as exc:
+                print(f"e31 usage: skipped flow run {flow_run.name} ({flow_run.id}): {exc}", file=sys.stderr)
+                continue
             if flow_run.deployment_id and flow_run.deployment_id not in deployments:
                 deployments[flow_run.deployment_id] = (await client.read_deployment(flow_run.deployment_id)).name
-            gpus = int(tags.get("e31:gpus", "0"))
-            billed, run_seconds, queue = meter_from_table(json.loads(meters[0].data), gpus)
             outcome = next((t.removeprefix("e31:") for t in flow_run.tags
                             if t in ("e31:deadline-missed", "e31:timed-out")), None)
             found.append(RunUsage(

@@ -13,6 +13,7 @@ import json
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
+from typing import Any
 
 GROUPINGS = ("team", "deployment", "pool", "day")
 
@@ -55,8 +56,40 @@ class Total:
         self.time_outs += run.outcome == "timed-out"
 
 
+class MalformedMeter(ValueError):
+    """A run's meter artifact or tags that are not what the worker writes: the run is named and skipped."""
+
+
+def meter_rows(data: Any) -> list[dict]:
+    """A meter artifact's data (JSON text of a list of rows, as the worker writes it) as its rows."""
+    if isinstance(data, str):
+        try:
+            data = json.loads(data)
+        except ValueError as exc:
+            raise MalformedMeter(f"its meter artifact's data is not JSON ({exc})") from None
+    if not isinstance(data, list) or not all(isinstance(row, dict) and isinstance(row.get("step"), str)
+                                             for row in data):
+        raise MalformedMeter(f"its meter artifact's data is not a list of rows with a step: {str(data)[:80]!r}")
+    return data
+
+
+def gpus_of(tags: dict[str, str]) -> int:
+    """The run's GPU count from its ``e31:gpus`` tag (0 when absent)."""
+    text = tags.get("e31:gpus", "0")
+    if not text.isdigit():
+        raise MalformedMeter(f"its tag e31:gpus={text!r} is not a number of GPUs")
+    return int(text)
+
+
 def meter_from_table(rows: list[dict], gpus: int) -> tuple[float, float, float]:
-    """Billed, run and queue seconds from a meter artifact's rows."""
+    """Billed, run and queue seconds from a meter artifact's rows (MalformedMeter if they are not a meter's)."""
+    try:
+        return _meter_from_table(rows)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise MalformedMeter(f"its meter artifact's rows are not a meter's ({type(exc).__name__}: {exc})") from None
+
+
+def _meter_from_table(rows: list[dict]) -> tuple[float, float, float]:
     at = {row["step"]: datetime.fromisoformat(row["at"]) for row in rows if row.get("at")}
 
     def between(first: str, last: str) -> float:

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from e31_prefect.usage import RunUsage, meter_from_table, render, summarize
+from e31_prefect.usage import MalformedMeter, RunUsage, gpus_of, meter_from_table, meter_rows, render, summarize
 
 
 def run(team, gpus, billed, outcome=None, deployment="train", pool="gpu", day="2026-12-02"):
@@ -49,3 +49,39 @@ def test_meter_figures_from_an_artifact_table():
             {"step": "run_ended", "at": "2026-12-02T23:01:00+00:00", "seconds": 3600},
             {"step": "total billed", "at": "", "seconds": 3601.5}]
     assert meter_from_table(rows, gpus=2) == (3601.5, 3600.0, 30.0)
+
+
+def test_meter_rows_come_from_the_json_text_the_worker_writes():
+    rows = [{"step": "total billed", "at": "", "seconds": 60}]
+    assert meter_rows(json.dumps(rows)) == rows
+    assert meter_rows(rows) == rows
+
+
+@pytest.mark.parametrize(("data", "why"), [
+    ([1, 2, 3], "not a list of rows"),
+    ('[1, 2, 3]', "not a list of rows"),
+    ('{"step": "total billed"}', "not a list of rows"),
+    ("[{\"at\": \"\"}]", "not a list of rows"),
+    ("not json", "not JSON"),
+    (None, "not a list of rows"),
+])
+def test_a_malformed_meter_is_named_not_a_crash(data, why):
+    with pytest.raises(MalformedMeter, match=why):
+        meter_from_table(meter_rows(data), gpus=1)
+
+
+@pytest.mark.parametrize("rows", [
+    [{"step": "running", "at": "yesterday"}],
+    [{"step": "total billed", "at": "", "seconds": "lots"}],
+    [{"step": "total billed", "at": "", "seconds": None}],
+    [{"step": "running", "at": 5}],
+])
+def test_rows_that_are_no_meters_are_malformed(rows):
+    with pytest.raises(MalformedMeter, match="not a meter's"):
+        meter_from_table(rows, gpus=1)
+
+
+def test_a_gpu_count_tag_that_is_no_number_is_malformed():
+    assert gpus_of({"e31:gpus": "2"}) == 2 and gpus_of({}) == 0
+    with pytest.raises(MalformedMeter, match="e31:gpus='-1'"):
+        gpus_of({"e31:gpus": "-1"})
