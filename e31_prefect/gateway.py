@@ -53,6 +53,9 @@ FINAL_STATES = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED", "CANCELLING"}  # 
 # SCHEDULED is the server's answer to a FAILED with retries left, never the engine's proposal: a run a job
 # moved there would be picked up by a worker of its pool and run again.
 ENGINE_STATES = {"PENDING", "RUNNING", "PAUSED", *FINAL_STATES}
+# The events Prefect's engine sends about a flow run itself (flow_engine.py, deployments/steps/core.py).
+ENGINE_FLOW_RUN_EVENTS = {"prefect.flow-run.heartbeat", "prefect.flow-run.pull-step.executed",
+                          "prefect.flow-run.pull-step.failed"}
 FORCED_STATES = {"CRASHED", "CANCELLING", "CANCELLED"}  # the engine's force=True (and a subflow's PENDING)
 # A subflow is created by the engine with these fields only (client create_flow_run); a deployment, pool,
 # queue or job variables would make it a run a worker picks up, on a GPU, billed to whatever team it names.
@@ -346,8 +349,8 @@ def event_from_job(event: Any, owned: Owned) -> bool:
         return False
     kind, ident = found[0], found[1].lower()
     if kind == "flow-run":
-        # Its state events are the server's; the engine sends only heartbeats about it.
-        allowed = ident in owned.flow_runs and (name == "prefect.flow-run.heartbeat" or not name.startswith("prefect"))
+        # Its state events are the server's; the engine sends only these about it.
+        allowed = ident in owned.flow_runs and (name in ENGINE_FLOW_RUN_EVENTS or not name.startswith("prefect"))
     elif kind == "task-run":
         payload = event.get("payload") if isinstance(event.get("payload"), dict) else {}
         task = payload.get("task_run") if isinstance(payload.get("task_run"), dict) else {}

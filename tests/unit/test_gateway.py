@@ -325,6 +325,8 @@ def test_the_engines_own_events_pass_with_what_prefect_relates_to_them():
     assert event_from_job({**task_event, "event": "prefect.task-run.Completed",
                            "related": [*context_related(), related("task-run", task)]}, mine)
     assert event_from_job(flow_run_event("prefect.flow-run.heartbeat", context_related()), mine)
+    assert event_from_job(flow_run_event("prefect.flow-run.pull-step.executed",
+                                         [related("deployment", DEPLOYMENT)]), mine)
     assert event_from_job(flow_run_event("model.saved", context_related()), mine)
     assert event_from_job({"event": "prefect.artifact.created", "related": context_related(),
                            "resource": {"prefect.resource.id": f"prefect.artifact.{artifact}"}}, mine)
