@@ -206,3 +206,34 @@ def test_e31_usage_names_and_skips_a_malformed_meter(prefect_server, tmp_path):
     totals = {row["team"]: row for row in json.loads(report.stdout)}
     assert "gw-broken" not in totals
     assert totals["gw-whole"]["gpu_hours_billed"] == pytest.approx(1.0)
+
+
+FLAKY = """
+import os
+from pathlib import Path
+from prefect import flow
+
+@flow(retries=1, retry_delay_seconds=0)
+def flaky() -> int:
+    tried = Path(os.environ["E31_OUTPUT_DIR"], "tried")
+    if not tried.exists():
+        tried.write_text("once")
+        raise RuntimeError("the first try fails")
+    return 7
+"""
+
+
+def test_a_flow_with_retries_still_retries_through_its_gateway(prefect_server, tmp_path, pool):
+    """Its first Failed comes before its work ends: the gateway lets it pass, as the server answers it
+    with a retry (AwaitingRetry), not an end."""
+    job = write_job(tmp_path / "flaky", """
+        name: flaky
+        work: {flow: flow.py:flaky}
+        request: {gpus: 0, max_duration: 5m}
+        output: {to: ./out/}
+        """, flow=FLAKY)
+    result = cli("e31", "run", str(job), "--pool", pool)
+    assert result.returncode == 0, result.stdout + result.stderr
+    run = read_run(flow_run_id(result.stdout))
+    assert run.state.is_completed(), run.state
+    assert run.run_count == 2
