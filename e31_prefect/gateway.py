@@ -164,7 +164,7 @@ def _own_run_labels(owned: Owned, ids: tuple[str, ...], body: Any) -> bool | str
 
 def _own_run_state(owned: Owned, ids: tuple[str, ...], body: Any) -> bool | str:
     """A state the engine proposes for one of the job's runs. Whether its own run may end yet is the
-    gateway's to judge (:meth:`Gateway.may_end`): it needs the work's end, which only the supervisor knows."""
+    gateway's to judge (:meth:`Gateway.end_refusal`): it needs the work's end, which only the supervisor knows."""
     state = body.get("state") if isinstance(body, dict) else None
     if ids[0] not in owned.flow_runs or not isinstance(state, dict):
         return False
@@ -328,10 +328,10 @@ def _related_is_own(resource: Any, owned: Owned, task_run: str | None) -> bool:
         return False
     if kind == "tag":
         return not worker_marked(ident) or ident in owned.tags  # its run's e31 tags, as the worker set them
-    known = {"flow-run": owned.flow_runs, "task-run": owned.task_runs | {task_run}, "deployment": owned.deployments,
-             "work-queue": owned.work_queues, "work-pool": owned.work_pools}.get(kind)
     if kind == "flow":
         return True  # a flow is a name; its runs are what is guarded
+    known = {"flow-run": owned.flow_runs, "task-run": owned.task_runs | {task_run}, "deployment": owned.deployments,
+             "work-queue": owned.work_queues, "work-pool": owned.work_pools}.get(kind)
     return known is not None and ident.lower() in known
 
 
@@ -415,8 +415,6 @@ class _Handler(BaseHTTPRequestHandler):
         parsed = _body_json(body)
         why = refusal(self.command, route, parsed, gateway.owned) if route is not None else "not the Prefect API"
         own_run = route is not None and route.lower().startswith(f"/flow_runs/{gateway.owned.run}")
-        if why is None and own_run and route.endswith("/set_state"):
-            why = gateway.end_refusal(parsed)
         if why is not None:
             gateway._refuse(why)
             return self._answer(403, f"e31: {why}; a running job reaches only its own flow run")
@@ -425,9 +423,12 @@ class _Handler(BaseHTTPRequestHandler):
         headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP_BY_HOP}
         headers.update(gateway.headers)
         headers["Host"] = gateway.netloc
-        # Its own run's changes one at a time: a FAILED judged to have retries left is not raced by a
-        # PATCH of those retries.
+        # Its own run's changes one at a time, judged and sent together: a FAILED judged to have retries
+        # left is not raced by a PATCH of those retries.
         with gateway.own_run_lock if own_run else contextlib.nullcontext():
+            if own_run and route.endswith("/set_state") and (why := gateway.end_refusal(parsed)) is not None:
+                gateway._refuse(why)
+                return self._answer(403, f"e31: {why}; a running job reaches only its own flow run")
             status, reason, answer_headers, answer = gateway.call(self.command, gateway.upstream_path(self.path),
                                                                   body, headers, self)
         with contextlib.suppress(Exception):
