@@ -6,7 +6,7 @@ The content cache holds every team's staged objects, ``outputs`` and the spool h
 every run's outputs, the ledger and the accounting file every run's record. A job
 running as a uid of its own must reach none of it, even where ``E31_HOME`` sits
 under folders anyone may pass (``/srv``, ``/tmp``). So each folder e31 keeps
-there is made ``0700`` (a file ``0600``), or at most lets in a group no job is in.
+there is made ``0700`` (a file ``0600``).
 The worker checks them as it starts: one found open is closed, and the log says
 which and how it was; one it cannot close (another user's) stops the worker
 with what to do. A job still reaches its own workspace and ledger folder: its
@@ -20,8 +20,6 @@ import os
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-
-from e31_prefect.job_users import JOB_UIDS
 
 # What e31 keeps in E31_HOME: folders, then files. Anything else there is the operator's.
 FOLDERS = ("workspaces", "cache", "ledger", "spool", "outputs")
@@ -46,12 +44,8 @@ class Found:
 
 
 def closed_mode(found: Found) -> int:
-    """Its permission bits with nothing for others, nor for its group when that group is a job's own
-    (a job runs as the group of its uid's number); 0 bits changed means it is closed already."""
-    mode = stat.S_IMODE(found.mode) & ~OTHERS
-    if found.gid in JOB_UIDS:
-        mode &= ~GROUP
-    return mode
+    """Its permission bits with nothing for its group or others (0 bits changed: it is closed already)."""
+    return stat.S_IMODE(found.mode) & ~(GROUP | OTHERS)
 
 
 def plan_closing(found: Found, worker_uid: int) -> tuple[int | None, str | None]:
