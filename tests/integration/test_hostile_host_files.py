@@ -6,9 +6,11 @@ A device locked by a process that is no e31 worker's is named in the worker's lo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -88,11 +90,19 @@ def open_root() -> Iterator[Path]:
     shutil.rmtree(folder, ignore_errors=True)
 
 
-def test_a_process_job_reads_no_other_runs_files_and_locks_no_gpu(prefect_server, s3_server, tmp_path, pool,
-                                                                    open_root):
+def hostile_job(folder: Path, home: Path, lock: Path, hold_s: float) -> Path:
+    """The hostile job's file: it walks ``home`` for marked files, tries ``lock``, then holds what it got."""
+    return write_job(folder, f"""
+        name: hostile
+        work: {{flow: flow.py:hostile, parameters: {{home: "{home}", lock: "{lock}", hold_s: {hold_s}}}}}
+        request: {{gpus: 0, max_duration: 5m}}
+        output: {{to: ./out/}}
+        """, flow=HOSTILE)
+
+
+def test_a_process_job_reads_no_other_runs_files(prefect_server, s3_server, tmp_path, pool, open_root):
     home, locks = open_root / "e31", open_root / "device-locks"
     env = {**s3_server, "E31_HOME": str(home), "E31_DEVICE_LOCKS": str(locks)}
-
     # Another team's run: an object staged from S3 (kept in the cache), outputs in E31_HOME's outputs.
     fs = bucket(s3_server, "victim-team")
     fs.pipe({"victim-team/data.bin": MARK.encode()})
@@ -117,15 +127,24 @@ def test_a_process_job_reads_no_other_runs_files_and_locks_no_gpu(prefect_server
     kept.own()
     kept.output_log.write_text(f"{MARK} printed by a container job\n")
 
-    hostile = write_job(tmp_path / "hostile", f"""
-        name: hostile
-        work: {{flow: flow.py:hostile, parameters: {{home: "{home}", lock: "{locks / 'gpu-0.lock'}", hold_s: 90}}}}
-        request: {{gpus: 0, max_duration: 5m}}
-        output: {{to: ./out/}}
-        """, flow=HOSTILE)
-    # The lock file exists as a worker that rented GPU 0 once leaves it.
+    hostile = hostile_job(tmp_path / "hostile", home, locks / "gpu-0.lock", hold_s=0)
+    result = cli("e31", "run", str(hostile), "--pool", pool, env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    tried = json.loads((tmp_path / "hostile" / "out" / "tried.json").read_text())
+    assert tried["uid"] >= 61000, "the job runs as a uid of its own"
+    assert tried["read"] == [], "a job read another run's files"
+    # Its view shows it its own ledger folder, and no other run's.
+    assert tried["listed"] == {**dict.fromkeys(("cache", "outputs", "spool"), "closed"),
+                               "ledger": [str(flow_run_id(result.stdout))]}
+
+
+def test_a_process_job_locks_no_gpu_and_delays_no_other_run(prefect_server, tmp_path, pool, open_root):
+    home, locks = open_root / "e31", open_root / "device-locks"
+    env = {"E31_HOME": str(home), "E31_DEVICE_LOCKS": str(locks)}
+    # The lock file exists, as a worker that rented GPU 0 once leaves it.
     assert cli("e31", "run", str(mark_job(tmp_path / "first", "first")), "--pool", pool, gpus="1xH100",
                env=env).returncode == 0
+    hostile = hostile_job(tmp_path / "hostile", home, locks / "gpu-0.lock", hold_s=90)
     program = shutil.which("e31", path=str(Path(sys.executable).parent))
     attacker = subprocess.Popen([program, "run", str(hostile), "--pool", pool], env={**os.environ, **env},
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -145,11 +164,6 @@ def test_a_process_job_reads_no_other_runs_files_and_locks_no_gpu(prefect_server
         out = attacker.communicate(timeout=300)[0]
     assert attacker.returncode == 0, out
     tried = json.loads((tmp_path / "hostile" / "out" / "tried.json").read_text())
-    assert tried["uid"] >= 61000, "the job runs as a uid of its own"
-    assert tried["read"] == [], "a job read another run's files"
-    # Its view shows it its own ledger folder, and no other run's.
-    assert tried["listed"] == {**dict.fromkeys(("cache", "outputs", "spool"), "closed"),
-                               "ledger": [str(flow_run_id(out))]}
     assert tried["lock"] == "PermissionError", "a job opened a device lock file"
 
 
@@ -159,7 +173,8 @@ def test_a_device_locked_by_a_stranger_is_named_in_the_workers_log(prefect_serve
     assert cli("e31", "run", str(mark_job(tmp_path / "first", "first")), "--pool", pool, gpus="1xH100",
                env=env).returncode == 0
     # Root's flock(1): what a job of a worker whose jobs run as its own user could do too.
-    stranger = subprocess.Popen(["flock", str(locks / "gpu-0.lock"), "sleep", "600"])
+    stranger = subprocess.Popen(["flock", "--close", str(locks / "gpu-0.lock"), "sleep", "600"],
+                                start_new_session=True)
     program = shutil.which("e31", path=str(Path(sys.executable).parent))
     lines: list[str] = []
     try:
@@ -178,7 +193,7 @@ def test_a_device_locked_by_a_stranger_is_named_in_the_workers_log(prefect_serve
             assert waiting.poll() is None and time.monotonic() < deadline, "".join(lines)
             time.sleep(0.5)
         assert waiting.poll() is None, "the run waits for the device"
-        stranger.kill()
+        os.killpg(stranger.pid, signal.SIGKILL)
         stranger.wait()
         waiting.wait(timeout=240)
         reader.join(timeout=30)
@@ -186,5 +201,6 @@ def test_a_device_locked_by_a_stranger_is_named_in_the_workers_log(prefect_serve
         assert waiting.returncode == 0, out
         assert out.count(named) == 1, "named once, not at every poll"
     finally:
-        stranger.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(stranger.pid, signal.SIGKILL)
         stranger.wait()
