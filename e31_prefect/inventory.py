@@ -9,7 +9,8 @@ A device is rented to one run at a time per host, whatever worker process asks
 (any pool, any ``E31_HOME``): renting takes an exclusive ``flock`` on the
 device's file in a host-wide folder (``E31_DEVICE_LOCKS``). The kernel drops a
 lock when the last process holding it dies, so a killed worker or supervisor
-never leaves a device rented.
+never leaves a device rented. No job can open a lock file (the folder lets in
+its owner and its group only), and one held by no e31 process is named in the log.
 """
 
 from __future__ import annotations
