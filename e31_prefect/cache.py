@@ -162,6 +162,8 @@ class ContentCache:
         self.locks = root / "locks"
         self.incoming = root / "incoming"
         self.verified = root / "verified"  # one record per entry, named by its file (device and inode)
+        # Closed to jobs (:mod:`e31_prefect.home_files`): a job reads its own inputs through its links only.
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
         for folder in (self.objects, self.locks, self.incoming, self.verified):
             folder.mkdir(parents=True, exist_ok=True)
         self.counters = CacheCounters()

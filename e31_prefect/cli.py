@@ -23,6 +23,8 @@ from uuid import UUID
 
 from e31_prefect import meter as metering
 from e31_prefect import timing
+from e31_prefect.home_files import HomeOpen
+from e31_prefect.inventory import DeviceLocksError
 from e31_prefect.job import Job, JobError, load_job_file, plan, plan_problems
 
 EXIT_INVALID = 2
@@ -39,6 +41,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         for problem in exc.problems:
             print(f"  {problem}", file=sys.stderr)
         return EXIT_INVALID
+    except (HomeOpen, DeviceLocksError) as exc:  # this host's files would be open to jobs: its operator's to fix
+        print(f"e31: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 

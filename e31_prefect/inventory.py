@@ -9,14 +9,17 @@ A device is rented to one run at a time per host, whatever worker process asks
 (any pool, any ``E31_HOME``): renting takes an exclusive ``flock`` on the
 device's file in a host-wide folder (``E31_DEVICE_LOCKS``). The kernel drops a
 lock when the last process holding it dies, so a killed worker or supervisor
-never leaves a device rented.
+never leaves a device rented. No job can open a lock file (the folder lets in
+its owner and its group only), and one held by no e31 process is named in the log.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
+import stat
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -24,6 +27,8 @@ from pathlib import Path
 from uuid import UUID
 
 from e31_prefect.filelocks import try_lock
+from e31_prefect.job_users import JOB_UIDS
+from e31_prefect.lock_holders import StrangerWatch
 
 _REPEAT = re.compile(r"^(\d+)\s*[xX]\s*(\S.*)$")
 
@@ -117,27 +122,95 @@ def pick_devices(free: Sequence[Device], gpus: int, gpu_type: str | None) -> lis
     return next((devices[:gpus] for devices in models.values() if len(devices) >= gpus), None)
 
 
-class HostLocks:
-    """One lock file per device index in a folder every e31 process on the host shares."""
+LOCK_FOLDER_MODE = 0o2770  # its group's workers share it (each lock file takes its group); others, jobs too, not
+LOCK_FILE_MODE = 0o660
 
-    def __init__(self, root: Path):
+
+class DeviceLocksError(RuntimeError):
+    """The host's device lock folder is open to jobs, or closed to this worker, and this worker cannot fix it."""
+
+
+def plan_lock_folder(mode: int, uid: int, gid: int, worker_uid: int) -> tuple[int | None, str | None]:
+    """What to do with the lock folder found: ``(mode to set, None)`` to close it, ``(None, refusal)`` when it is
+    open and not this worker's to close, ``(None, None)`` when closed (nothing for others, and a group no
+    job is in: a job runs as the group of its uid's number)."""
+    if not stat.S_IMODE(mode) & stat.S_IRWXO and gid not in JOB_UIDS:
+        return None, None
+    if worker_uid not in (0, uid):
+        return None, (f"E31_DEVICE_LOCKS: the folder is {stat.S_IMODE(mode):04o} (owner uid {uid}, group {gid}), "
+                      "so a job on this host could lock a GPU it never rented, and this worker cannot close it: "
+                      f"have its owner run `chmod {LOCK_FOLDER_MODE:04o}` on it (with a group every e31 worker's "
+                      "user is in), or set E31_DEVICE_LOCKS to a folder made so")
+    return LOCK_FOLDER_MODE, None
+
+
+class HostLocks:
+    """One lock file per device index in a folder every e31 worker on the host shares, and no job opens.
+
+    The folder is ``2770``: its owner's and its group's workers take locks in it (the lock files
+    inherit its group); nobody else, a job's own uid included, can open them. A folder found open
+    (the ``1777`` of e31 before) is closed and the change said; see :meth:`prepare`.
+    """
+
+    def __init__(self, root: Path, log: logging.Logger | None = None):
         self.root = root
+        self.log = log or logging.getLogger("e31.inventory")
+        self._prepared = False
+        self._strangers = StrangerWatch(self.log)
+
+    def prepare(self) -> list[str]:
+        """Make the folder (closed), or close the one found open; returns a line per change.
+
+        Raises :class:`DeviceLocksError` when it is open and another user's, or this worker may not use it.
+        """
+        said = []
+        try:
+            self.root.mkdir(mode=0o770, parents=True)
+            os.chmod(self.root, LOCK_FOLDER_MODE)  # whatever the umask; setgid: its files take its group
+        except FileExistsError:
+            info = os.stat(self.root)
+            mode, refusal = plan_lock_folder(info.st_mode, info.st_uid, info.st_gid, os.geteuid())
+            if refusal is not None:
+                raise DeviceLocksError(f"{refusal} ({self.root})") from None
+            if mode is not None:
+                os.chmod(self.root, mode)
+                for lock in self.root.glob("gpu-*.lock"):  # a job that opened one before keeps no new way in
+                    with contextlib.suppress(OSError):
+                        lock.chmod(LOCK_FILE_MODE)
+                said.append(f"{self.root} was open to other users ({stat.S_IMODE(info.st_mode):04o}), so a job "
+                            f"could lock a GPU it never rented: closed it ({mode:04o})")
+        if not os.access(self.root, os.R_OK | os.W_OK | os.X_OK):
+            info = os.stat(self.root)
+            raise DeviceLocksError(
+                f"E31_DEVICE_LOCKS: {self.root} ({stat.S_IMODE(info.st_mode):04o}, owner uid {info.st_uid}, group "
+                f"{info.st_gid}) does not let this worker's user (uid {os.geteuid()}) in: add that user to the "
+                "folder's group (usermod -aG GROUP USER) and start the worker again")
+        self._prepared = True
+        for line in said:
+            self.log.warning(line)
+        return said
+
+    def path(self, device: Device) -> Path:
+        """The device's lock file."""
+        return self.root / f"gpu-{device.index}.lock"
 
     def take(self, device: Device) -> int | None:
         """An open file holding the device's lock, or None when another holder has it."""
-        self.root.mkdir(parents=True, exist_ok=True)
-        with contextlib.suppress(PermissionError):  # another user made it: it is theirs to open up
-            self.root.chmod(0o1777)  # every user's workers share it, as /tmp is shared
-        path = self.root / f"gpu-{device.index}.lock"
-        fd = try_lock(path, 0o666)
-        with contextlib.suppress(PermissionError, FileNotFoundError):
-            path.chmod(0o666)  # whatever the creator's umask
+        if not self._prepared:
+            self.prepare()
+        path = self.path(device)
+        fd = try_lock(path, LOCK_FILE_MODE)
+        if fd is not None:
+            with contextlib.suppress(PermissionError, FileNotFoundError):
+                path.chmod(LOCK_FILE_MODE)  # whatever the creator's umask (only its owner may chmod)
         return fd
 
     def held_elsewhere(self, device: Device) -> bool:
-        """Whether some other holder (another worker or a run's supervisor) has the device now."""
+        """Whether some other holder (another worker or a run's supervisor) has the device now; one that is
+        neither is named in the log (:mod:`e31_prefect.lock_holders`)."""
         fd = self.take(device)
         if fd is None:
+            self._strangers.locked(self.path(device))
             return True
         os.close(fd)
         return False
@@ -150,12 +223,16 @@ class Inventory:
     never rent it at once; :meth:`lock_files` hands the held locks to the run's supervisor.
     """
 
-    def __init__(self, devices: Iterable[Device], locks: Path | None = None):
+    def __init__(self, devices: Iterable[Device], locks: Path | None = None, log: logging.Logger | None = None):
         self.devices: list[Device] = sorted(devices)
         self._holder: dict[Device, UUID] = {}
         self._files: dict[Device, int] = {}
-        self._host = HostLocks(locks) if locks is not None else None
+        self._host = HostLocks(locks, log) if locks is not None else None
         self._lock = threading.Lock()
+
+    def prepare(self) -> list[str]:
+        """Make or close the host's lock folder (:meth:`HostLocks.prepare`); a line per change."""
+        return self._host.prepare() if self._host is not None else []
 
     def free(self) -> list[Device]:
         """Devices no run holds now, here or in another process on this host."""

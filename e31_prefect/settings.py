@@ -30,12 +30,14 @@ class E31Settings(BaseSettings):
     )
     home: Path = Field(
         default=Path("~/.e31").expanduser(),
-        description="Workspaces of running jobs and the spool of outputs not yet sent.",
+        description="Workspaces of running jobs and the spool of outputs not yet sent; e31's folders there are "
+        "kept 0700, closed to jobs.",
     )
     device_locks: Path = Field(
         default=Path("/run/lock/e31"),
         description="Host-wide folder of device lock files, shared by every e31 worker on the host whatever its "
-        "pool or E31_HOME, so a device is rented to one run at a time per host.",
+        "pool or E31_HOME, so a device is rented to one run at a time per host. It is 2770: the workers of its "
+        "owner and its group share it (workers of several users: make it for a group they are in), no job opens it.",
     )
     allowed_volumes: list[Path] = Field(
         default_factory=list,

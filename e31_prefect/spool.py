@@ -96,6 +96,7 @@ def keep(output_dir: Path, spool: Path, flow_run_id: str, destination: str | Non
     """
     entry = spool / flow_run_id
     outputs = entry / "outputs"
+    spool.mkdir(mode=0o700, parents=True, exist_ok=True)  # every run's outputs: closed to jobs
     outputs.mkdir(parents=True, exist_ok=True)
     files, skipped = own_files(output_dir)
     for path in files:
@@ -139,7 +140,7 @@ def read(spool: Path, flow_run_id: str) -> Kept | None:
 @contextlib.contextmanager
 def _only_one_retry(spool: Path, flow_run_id: str) -> Iterator[None]:
     # Two retries of one run at once: the second waits, then finds the entry gone and sends nothing.
-    spool.mkdir(parents=True, exist_ok=True)
+    spool.mkdir(mode=0o700, parents=True, exist_ok=True)
     fd = os.open(spool / f".{flow_run_id}.lock", os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)

@@ -38,7 +38,7 @@ from prefect.workers.base import BaseVariables, BaseWorkerResult
 from prefect_docker.worker import DockerWorker, DockerWorkerJobConfiguration
 from pydantic import Field, PrivateAttr, create_model
 
-from e31_prefect import backlog, endings, inventories, quotas, reporting, timing
+from e31_prefect import backlog, endings, home_files, inventories, quotas, reporting, timing
 from e31_prefect.backlog_watch import Page, WatchedBacklog
 from e31_prefect.blocks import E31Storage
 from e31_prefect.command_flow import COMMAND_FLOW_ENTRYPOINT
@@ -260,7 +260,7 @@ class E31Worker(DockerWorker):
                  only_flow_run_ids: set[UUID] | None = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.settings = settings or E31Settings()
-        self.inventory = Inventory(discover(self.settings.gpus), self.settings.device_locks)
+        self.inventory = Inventory(discover(self.settings.gpus), self.settings.device_locks, self._logger)
         self.meters: dict[UUID, Meter] = {}  # the meters of runs in progress (and, for `e31 run`, its own)
         self.ledger = Ledger(self.settings.home.expanduser() / "ledger")
         self._living: set[UUID] = set()
@@ -323,7 +323,11 @@ class E31Worker(DockerWorker):
 
     async def setup(self) -> None:
         """Connect, register the E31 Storage block type (so the UI offers it), then adopt the runs any
-        e31 worker on this host left when it died or stopped."""
+        e31 worker on this host left when it died or stopped. Its files in E31_HOME and the host's device
+        lock folder are closed to jobs first (:mod:`e31_prefect.home_files`): one it cannot close stops it."""
+        for line in home_files.close_home(self.settings.home):
+            self._logger.warning("E31_HOME: %s", line)
+        self.inventory.prepare()  # says what it closed itself
         await super().setup()
         try:
             await E31Storage.aregister_type_and_schema(client=self.client)

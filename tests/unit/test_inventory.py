@@ -357,13 +357,13 @@ def test_a_killed_holder_frees_its_devices(tmp_path):
     assert other.free() == other.devices
 
 
-def test_the_lock_folder_is_shared_by_every_user(tmp_path):
+def test_the_lock_folder_is_shared_by_its_group_and_closed_to_others(tmp_path):
     folder = tmp_path / "locks"
     Inventory(FOUR, folder).free()
-    assert folder.stat().st_mode & 0o7777 == 0o1777
+    assert folder.stat().st_mode & 0o7777 == 0o2770, "its group's workers share it; no job's uid opens it"
     pool = Inventory(FOUR, folder)
     pool.hold(uuid4(), FOUR[:1])
-    assert os.stat(folder / "gpu-0.lock").st_mode & 0o777 == 0o666
+    assert os.stat(folder / "gpu-0.lock").st_mode & 0o777 == 0o660
 
 
 # -- visible_devices_env ----------------------------------------------------------------------
