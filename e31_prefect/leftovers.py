@@ -60,12 +60,14 @@ def world_writable(root: Path = Path("/"), depth: int = SEARCH_DEPTH) -> list[Pa
             continue
         with contextlib.suppress(OSError), os.scandir(folder) as entries:
             for entry in entries:
-                try:
+                try:  # the folder's own listing says which are folders: only those cost a stat
+                    if not entry.is_dir(follow_symlinks=False):
+                        continue
                     info = entry.stat(follow_symlinks=False)
                 except OSError:
                     continue
                 path = Path(entry.path)
-                if not stat.S_ISDIR(info.st_mode) or not info.st_mode & stat.S_IXOTH or path in skip:
+                if not info.st_mode & stat.S_IXOTH or path in skip:
                     continue
                 if info.st_mode & stat.S_IWOTH:
                     found.append(path)

@@ -192,11 +192,11 @@ def test_a_later_job_of_the_same_uid_finds_nothing_the_earlier_one_left(prefect_
     assert sorted(left["wrote"]) == sorted(os.path.join(f, "e31-secret") for f in folders), left["refused"]
     assert left["shm"] >= 0 and left["msg"] >= 0, "the job has SysV IPC (its own)"
     assert left["daemon_wrote"]
-    assert left["big"] == "No space left on device", "a job's temp folders are bounded (E31_JOB_TEMP_BYTES)"
     # On the host, after the run: none of it, and no process of the uid still writing.
     assert owned_on_host(folders) == []
     assert owned_ipc("shm") == [] and owned_ipc("msg") == []
     assert processes_of_uid() == []
+    assert left["big"] == "No space left on device", "a job's temp folders are bounded (E31_JOB_TEMP_BYTES)"
 
     looked = run(tmp_path, "look", LOOK, "look", parameters, pool)
     assert looked["uid"] == UID, "the second job runs as the first one's uid"
