@@ -7,6 +7,9 @@ it a private folder instead (:mod:`e31_prefect.sandbox`), and its own IPC namesp
 older e31), the supervisor removes what the uid owns there, and its SysV IPC objects, when its run
 ends and again when it claims the uid (a supervisor killed outright never swept).
 
+A process still running as the uid (its supervisor was killed outright, so nothing killed its work)
+is killed first: an unsupervised job never shares a uid with the next one.
+
 What the uid owns legitimately, its output dir and its home, is in its run's workspace: the output
 step and the workspace's removal take care of those.
 
@@ -19,7 +22,9 @@ import contextlib
 import ctypes
 import os
 import shutil
+import signal
 import stat
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -139,6 +144,34 @@ def sweep_ipc(uid: int, tables: Path = SYSVIPC) -> list[str]:
     return failed
 
 
+def lives_as(status: str, uid: int) -> bool:
+    """Whether a ``/proc/<pid>/status`` text is of a live process (a zombie is only its exit status, for
+    its parent) with ``uid`` as any of its uids."""
+    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+    return fields.get("State", "").split()[:1] not in (["Z"], ["X"]) and str(uid) in fields.get("Uid", "").split()
+
+
+def kill_processes(uid: int, proc: Path = Path("/proc"), rounds: int = 100) -> list[str]:
+    """Kill every process running as ``uid`` (one whose supervisor was killed outright may live on), until
+    none is left or ``rounds`` passes found one each time. Returns the pids left, if any."""
+    left: list[int] = []
+    for _ in range(rounds):
+        left = []
+        for entry in os.listdir(proc):
+            if entry.isdigit():
+                with contextlib.suppress(OSError):
+                    if lives_as((proc / entry / "status").read_text(), uid):
+                        left.append(int(entry))
+        if not left:
+            return []
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.01)
+    return [f"process {pid} of uid {uid} would not die" for pid in left]
+
+
 def sweep(uid: int, folders: Iterable[Path]) -> list[str]:
-    """Everything ``uid`` left in the host's world-writable folders and SysV IPC; what stayed, with why."""
-    return sweep_files(uid, folders) + sweep_ipc(uid)
+    """Everything ``uid`` left on the host: its processes, what it owns in the host's world-writable
+    folders, its SysV IPC objects. Returns what stayed, with why."""
+    return kill_processes(uid) + sweep_files(uid, folders) + sweep_ipc(uid)

@@ -103,8 +103,10 @@ def enter(view: View | None, private_network: bool) -> None:
     # Each shown path is held open before its folder is covered, then mounted back from the handle.
     held = {path: os.open(path, os.O_PATH | os.O_CLOEXEC) for path in view.shows}
     # Shallow first: a private /var/tmp inside a covered /var is mounted on the cover, not under it.
+    # Inodes bounded too (one per page of the size bound): empty files take kernel memory, not space.
+    inodes = max(1024, view.temp_bytes // 4096)
     mounts = sorted([(folder, "mode=755,size=1m") for folder in view.covers]
-                    + [(temp, f"mode=1777,size={view.temp_bytes}") for temp in view.temps],
+                    + [(temp, f"mode=1777,size={view.temp_bytes},nr_inodes={inodes}") for temp in view.temps],
                     key=lambda mount: len(mount[0].parts))
     for folder, options in mounts:
         if os.path.isdir(folder):  # one inside a cover is gone from the view: nothing to make private there

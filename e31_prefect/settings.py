@@ -153,12 +153,14 @@ class E31Settings(BaseSettings):
     @field_validator("job_temp_bytes", mode="before")
     @classmethod
     def _temp_size(cls, value: object) -> object:
-        if isinstance(value, str):
-            try:
-                return parse_bytes(value)
-            except ValueError:
-                raise ValueError(f"E31_JOB_TEMP_BYTES={value!r} is not a size; {SIZE_HINT}") from None
-        return value
+        try:
+            size = parse_bytes(value) if isinstance(value, (str, int)) else value
+        except ValueError:
+            raise ValueError(f"E31_JOB_TEMP_BYTES={value!r} is not a size; {SIZE_HINT}") from None
+        if isinstance(size, int) and size < 2**20:  # tmpfs reads 0 as no bound at all
+            raise ValueError(f"E31_JOB_TEMP_BYTES={value!r}: a job's temp folders need a bound of 1m or more, "
+                             "e.g. 2Gi")
+        return size
 
     @field_validator("job_uids")
     @classmethod

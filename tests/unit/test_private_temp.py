@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from e31_prefect.leftovers import owned_ipc, pseudo_mounts, sweep_files, world_writable
+from e31_prefect.leftovers import kill_processes, lives_as, owned_ipc, pseudo_mounts, sweep_files, world_writable
 from e31_prefect.sandbox import View, plan_view
 from e31_prefect.settings import E31Settings
 
@@ -130,6 +130,7 @@ def test_the_uids_sysv_objects_are_those_it_owns_or_made():
     ("E31_JOB_UIDS", "62000-61000", "first <= last"),
     ("E31_JOB_UIDS", "61000", "String should match pattern"),
     ("E31_JOB_TEMP_BYTES", "lots", "E31_JOB_TEMP_BYTES='lots' is not a size"),
+    ("E31_JOB_TEMP_BYTES", "0", "E31_JOB_TEMP_BYTES='0': a job's temp folders need a bound of 1m or more"),
 ])
 def test_a_bad_temp_size_or_uid_range_is_refused_with_the_fix(monkeypatch, variable, value, named):
     monkeypatch.setenv(variable, value)
@@ -143,3 +144,25 @@ def test_the_temp_size_and_uid_range_read_as_an_operator_writes_them(monkeypatch
     settings = E31Settings()
     assert settings.job_temp_bytes == 512 * 2**20
     assert settings.job_uid_range == range(61900, 61910)
+
+
+def test_a_process_is_the_uids_whichever_of_its_uids_it_is():
+    status = "Name:\tpython\nState:\tS (sleeping)\nUid:\t61977\t61977\t61977\t61977\nGid:\t0\t0\t0\t0\n"
+    assert lives_as(status, 61977)
+    assert lives_as(status.replace("\t61977\t61977\t61977\n", "\t0\t0\t0\n"), 61977), "its real uid"
+    assert not lives_as(status, 61978)
+    assert not lives_as("Name:\tpython\nGid:\t61977\n", 61977)
+    assert not lives_as(status.replace("S (sleeping)", "Z (zombie)"), 61977), "a zombie holds nothing"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a process of another uid needs root")
+def test_a_process_left_running_as_the_uid_is_killed_before_the_uid_is_reused():
+    import subprocess
+
+    uid = 61965
+    daemon = subprocess.Popen(["sleep", "600"], user=uid, group=uid, extra_groups=[], start_new_session=True)
+    try:
+        assert kill_processes(uid) == []
+        assert daemon.wait(timeout=30) == -9
+    finally:
+        daemon.kill()
