@@ -54,11 +54,11 @@ class View:
     shows: list[Path] = field(default_factory=list)
     temps: list[Path] = field(default_factory=list)  # each a private tmpfs, writable by everyone (1777)
     hides: list[Path] = field(default_factory=list)
-    temp_bytes: int = 2**30  # the size bound of each private temp folder
+    temp_bytes: int = 2 * 2**30  # the size bound of each private temp folder
 
 
 def plan_view(needed: Iterable[Path], passable: Callable[[Path], bool] = others_may_pass,
-              temps: Iterable[Path] = (), hides: Iterable[Path] = (), temp_bytes: int = 2**30) -> View:
+              temps: Iterable[Path] = (), hides: Iterable[Path] = (), temp_bytes: int = 2 * 2**30) -> View:
     """For each needed path (resolved), the topmost folder above it others cannot pass, covered, and the
     path shown again; a path already shown by a wider one is not shown twice.
 

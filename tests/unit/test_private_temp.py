@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
+from e31_prefect import job_users
 from e31_prefect.leftovers import kill_processes, lives_as, owned_ipc, pseudo_mounts, sweep_files, world_writable
 from e31_prefect.sandbox import View, plan_view
 from e31_prefect.settings import E31Settings
@@ -159,10 +160,52 @@ def test_a_process_is_the_uids_whichever_of_its_uids_it_is():
 def test_a_process_left_running_as_the_uid_is_killed_before_the_uid_is_reused():
     import subprocess
 
-    uid = 61965
-    daemon = subprocess.Popen(["sleep", "600"], user=uid, group=uid, extra_groups=[], start_new_session=True)
+    held = job_users.claim(uids=range(61965, 61966))  # a uid no running job has, as a supervisor claims one
+    assert held is not None
+    daemon = subprocess.Popen(["sleep", "600"], user=held.uid, group=held.uid, extra_groups=[],
+                              start_new_session=True)
     try:
-        assert kill_processes(uid) == []
+        assert kill_processes(held.uid) == []
         assert daemon.wait(timeout=30) == -9
     finally:
         daemon.kill()
+        os.close(held.lock)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="namespaces need root")
+def test_a_jobs_posix_message_queues_are_its_own():
+    """In a child, as a supervisor's job would: a host with /dev/mqueue (made in a namespace of the test's
+    own where this host has none), the job's view entered, a queue made as the job's uid."""
+    import ctypes
+
+    from e31_prefect import sandbox
+
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child reports through the pipe
+        said = "?"
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            sandbox._unshare(libc, sandbox.CLONE_NEWNS)  # the test's "host": a /dev/mqueue of the host's IPC
+            sandbox._mount(libc, None, "/", None, sandbox.MS_REC | sandbox.MS_PRIVATE)
+            sandbox._mount(libc, "tmpfs", "/dev", "tmpfs", 0, "mode=755")
+            os.mkdir("/dev/mqueue")
+            sandbox._mount(libc, "mqueue", "/dev/mqueue", "mqueue", 0)
+            os.chmod("/dev/mqueue", 0o1777)
+            host = os.open("/dev/mqueue", os.O_RDONLY | os.O_DIRECTORY)
+            child = os.fork()
+            if child == 0:
+                sandbox.enter(sandbox.plan_view([]), private_network=False)
+                os.setgid(61964)
+                os.setuid(61964)
+                os.close(os.open("/dev/mqueue/e31-queue", os.O_CREAT | os.O_RDWR, 0o600))
+                os._exit(0 if os.listdir("/dev/mqueue") == ["e31-queue"] else 1)
+            made = os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]) == 0
+            said = f"{made} {os.listdir(host)}"
+        except Exception as exc:
+            said = f"{type(exc).__name__}: {exc}"
+        os.write(write, said.encode())
+        os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)
+    assert os.read(read, 4096).decode() == "True []", "the job made its queue in its own /dev/mqueue only"
