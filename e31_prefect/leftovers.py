@@ -35,17 +35,20 @@ SEARCH_DEPTH = 4
 PSEUDO = frozenset({"proc", "sysfs", "cgroup", "cgroup2", "devpts", "mqueue", "debugfs", "tracefs",
                     "securityfs", "pstore", "bpf", "configfs", "fusectl", "hugetlbfs", "autofs",
                     "binfmt_misc", "efivarfs", "nsfs"})
+# Network filesystems are not searched: a server that does not answer would hang the run's start.
+REMOTE = frozenset({"nfs", "nfs4", "cifs", "smb3", "smbfs", "ceph", "glusterfs", "lustre", "9p", "afs",
+                    "fuse.sshfs", "fuse.s3fs", "fuse.gcsfuse", "fuse.rclone"})
 SYSVIPC = Path("/proc/sysvipc")
 IPC_RMID = 0
 
 
-def pseudo_mounts(mountinfo: str) -> set[Path]:
-    """Mount points of pseudo filesystems, from the text of ``/proc/self/mountinfo``."""
+def unsearched_mounts(mountinfo: str) -> set[Path]:
+    """Mount points of pseudo and network filesystems, from the text of ``/proc/self/mountinfo``."""
     found = set()
     for line in mountinfo.splitlines():
         fields, _, rest = line.partition(" - ")
         parts = fields.split()
-        if len(parts) > 4 and rest.split()[:1] and rest.split()[0] in PSEUDO:
+        if len(parts) > 4 and rest.split()[:1] and rest.split()[0] in PSEUDO | REMOTE:
             found.add(Path(parts[4].replace("\\040", " ")))
     return found
 
@@ -54,7 +57,7 @@ def world_writable(root: Path = Path("/"), depth: int = SEARCH_DEPTH) -> list[Pa
     """World-writable folders a user of no group could reach, down to ``depth`` folders below ``root``
     (none inside another: what is inside one goes with it)."""
     try:
-        skip = pseudo_mounts(Path("/proc/self/mountinfo").read_text())
+        skip = unsearched_mounts(Path("/proc/self/mountinfo").read_text())
     except OSError:
         skip = set()
     found: list[Path] = []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -9,7 +10,7 @@ import pytest
 from pydantic import ValidationError
 
 from e31_prefect import job_users
-from e31_prefect.leftovers import kill_processes, lives_as, owned_ipc, pseudo_mounts, sweep_files, world_writable
+from e31_prefect.leftovers import kill_processes, lives_as, owned_ipc, sweep_files, unsearched_mounts, world_writable
 from e31_prefect.sandbox import View, plan_view
 from e31_prefect.settings import E31Settings
 
@@ -62,12 +63,14 @@ MOUNTINFO = """\
 26 25 0:23 / /dev/shm rw - tmpfs tmpfs rw
 27 25 0:24 / /dev/mqueue rw - mqueue mqueue rw
 28 22 0:25 / /mnt/with\\040space rw - cgroup2 cgroup2 rw
+29 22 0:26 / /home rw - nfs4 server:/home rw
 """
 
 
-def test_pseudo_filesystems_are_not_searched_for_folders_a_job_could_write():
-    assert pseudo_mounts(MOUNTINFO) == {Path("/proc"), Path("/sys"), Path("/dev/mqueue"), Path("/mnt/with space")}
-    assert pseudo_mounts("garbage\n\n") == set()
+def test_pseudo_and_network_filesystems_are_not_searched_for_folders_a_job_could_write():
+    assert unsearched_mounts(MOUNTINFO) == {Path("/proc"), Path("/sys"), Path("/dev/mqueue"), Path("/mnt/with space"),
+                                            Path("/home")}
+    assert unsearched_mounts("garbage\n\n") == set()
 
 
 def test_world_writable_folders_are_found_where_others_can_reach_them(tmp_path):
@@ -177,9 +180,11 @@ def test_a_jobs_posix_message_queues_are_its_own():
     """In a child, as a supervisor's job would: a host with /dev/mqueue (made in a namespace of the test's
     own where this host has none), the job's view entered, a queue made as the job's uid."""
     import ctypes
+    import uuid
 
     from e31_prefect import sandbox
 
+    queue = f"e31-queue-{uuid.uuid4().hex[:8]}"
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child reports through the pipe
@@ -198,14 +203,16 @@ def test_a_jobs_posix_message_queues_are_its_own():
                 sandbox.enter(sandbox.plan_view([]), private_network=False)
                 os.setgid(61964)
                 os.setuid(61964)
-                os.close(os.open("/dev/mqueue/e31-queue", os.O_CREAT | os.O_RDWR, 0o600))
-                os._exit(0 if os.listdir("/dev/mqueue") == ["e31-queue"] else 1)
+                os.close(os.open(f"/dev/mqueue/{queue}", os.O_CREAT | os.O_RDWR, 0o600))
+                os._exit(0 if os.listdir("/dev/mqueue") == [queue] else 1)
             made = os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]) == 0
-            said = f"{made} {os.listdir(host)}"
+            said = f"{made} {queue in os.listdir(host)}"
+            with contextlib.suppress(FileNotFoundError):  # the host's queues outlive the test's namespace
+                os.unlink(queue, dir_fd=host)
         except Exception as exc:
             said = f"{type(exc).__name__}: {exc}"
         os.write(write, said.encode())
         os._exit(0)
     os.close(write)
     os.waitpid(pid, 0)
-    assert os.read(read, 4096).decode() == "True []", "the job made its queue in its own /dev/mqueue only"
+    assert os.read(read, 4096).decode() == "True False", "the job made its queue in its own /dev/mqueue only"
