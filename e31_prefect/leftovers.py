@@ -3,9 +3,10 @@
 A process job's uid is reused (:mod:`e31_prefect.job_users`). Where it could write on the host
 (a world-writable folder: ``/tmp``, ``/var/tmp``, ``/dev/shm``, ``/run/lock`` ...) its supervisor gives
 it a private folder instead (:mod:`e31_prefect.sandbox`), and its own IPC namespace. As a safety net
-(a folder made world-writable after the run started, one deeper than the search looks, a job of an
-older e31), the supervisor removes what the uid owns there, and its SysV IPC objects, when its run
-ends and again when it claims the uid (a supervisor killed outright never swept).
+(a folder made world-writable while the run ran, a job of an older e31), the supervisor removes what
+the uid owns there, and its SysV IPC objects, when its run ends and again when it claims the uid (a
+supervisor killed outright never swept). Both look :data:`SEARCH_DEPTH` folders deep, on local
+filesystems: a world-writable folder deeper down, or on a network filesystem, is the operator's to close.
 
 A process still running as the uid (its supervisor was killed outright, so nothing killed its work)
 is killed first: an unsupervised job never shares a uid with the next one.
@@ -28,8 +29,8 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-# A world-writable folder deeper than this below / is not made private (the search stays in
-# milliseconds: about 3,000 folders on a Debian host) but is still swept.
+# How deep below / the search looks (it stays in milliseconds: about 3,000 folders on a Debian host;
+# one level more reads every Python package of the host, seconds).
 SEARCH_DEPTH = 4
 # Filesystems that hold no files a job could leave (or, for mqueue, that the job gets its own of).
 PSEUDO = frozenset({"proc", "sysfs", "cgroup", "cgroup2", "devpts", "mqueue", "debugfs", "tracefs",
