@@ -166,9 +166,9 @@ class E31Settings(BaseSettings):
     @classmethod
     def _uid_range(cls, value: str) -> str:
         first, last = (int(part) for part in value.split("-"))
-        if not 1000 <= first <= last:
-            raise ValueError(f"E31_JOB_UIDS={value!r}: give first-last with 1000 <= first <= last, far from "
-                             "the host's accounts, e.g. 61000-61999")
+        if not 1000 <= first <= last < 2**31:
+            raise ValueError(f"E31_JOB_UIDS={value!r}: give first-last with 1000 <= first <= last < 2147483648, "
+                             "far from the host's accounts, e.g. 61000-61999")
         return value
 
     @property

@@ -133,6 +133,7 @@ def test_the_uids_sysv_objects_are_those_it_owns_or_made():
     ("E31_JOB_UIDS", "500-600", "E31_JOB_UIDS='500-600'"),
     ("E31_JOB_UIDS", "62000-61000", "first <= last"),
     ("E31_JOB_UIDS", "61000", "String should match pattern"),
+    ("E31_JOB_UIDS", "61000-99999999999", "last < 2147483648"),
     ("E31_JOB_TEMP_BYTES", "lots", "E31_JOB_TEMP_BYTES='lots' is not a size"),
     ("E31_JOB_TEMP_BYTES", "0", "E31_JOB_TEMP_BYTES='0': a job's temp folders need a bound of 1m or more"),
 ])
