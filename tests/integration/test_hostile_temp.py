@@ -16,6 +16,7 @@ import ctypes
 import json
 import os
 import shutil
+import subprocess
 import uuid
 from pathlib import Path
 
@@ -90,6 +91,17 @@ def look(folders: list[str], key: int) -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     seen["shm"] = libc.shmget(key, 0, 0)
     seen["msg"] = libc.msgget(key, 0)
+    Path(os.environ["E31_OUTPUT_DIR"], "seen.json").write_text(json.dumps(seen))
+"""
+
+SEE = """
+import json, os
+from pathlib import Path
+from prefect import flow
+
+@flow
+def see(pid: int) -> None:
+    seen = {"planted_alive": os.path.exists(f"/proc/{pid}") and "zombie" not in Path(f"/proc/{pid}/status").read_text()}
     Path(os.environ["E31_OUTPUT_DIR"], "seen.json").write_text(json.dumps(seen))
 """
 
@@ -217,3 +229,21 @@ def test_a_job_cannot_hold_the_lock_of_a_device_it_never_rented(prefect_server, 
         shutil.rmtree(parent, ignore_errors=True)
     assert "held" not in seen["devices"].values(), seen
     assert seen["user_locks"] in ([], "No such file or directory"), "the host's job uid locks are not the job's"
+
+
+def test_what_a_killed_supervisor_left_of_its_uid_is_gone_before_the_uid_is_handed_out(
+        prefect_server, tmp_path, pool, nothing_of_the_uid_left):
+    # As a run whose supervisor was killed outright leaves its uid: a process still running as it, and a
+    # 0600 file of it in the host's /tmp.
+    planted = subprocess.Popen(["sleep", "600"], user=UID, group=UID, extra_groups=[], start_new_session=True)
+    secret = Path("/tmp/e31-secret")
+    secret.write_text("the-secret")
+    secret.chmod(0o600)
+    os.chown(secret, UID, UID)
+    try:
+        seen = run(tmp_path, "after-kill", SEE, "see", {"pid": planted.pid}, pool)
+    finally:
+        planted.kill()
+        planted.wait()
+    assert not seen["planted_alive"], "the uid's process was killed before the job got the uid"
+    assert owned_on_host(list(HOST_TEMP)) == []
