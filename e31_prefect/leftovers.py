@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import os
 import shutil
 import signal
@@ -143,7 +144,7 @@ def sweep_ipc(uid: int, tables: Path = SYSVIPC) -> list[str]:
         except OSError:
             continue
         for ident in owned_ipc(table, uid):
-            if removing(ident) != 0 and ctypes.get_errno() not in (22, 43):  # EINVAL, EIDRM: gone already
+            if removing(ident) != 0 and ctypes.get_errno() not in (errno.EINVAL, errno.EIDRM):  # gone already
                 failed.append(f"SysV {kind} {ident}: {os.strerror(ctypes.get_errno())}")
     return failed
 
