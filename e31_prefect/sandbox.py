@@ -63,8 +63,9 @@ def plan_view(needed: Iterable[Path], passable: Callable[[Path], bool] = others_
     path shown again; a path already shown by a wider one is not shown twice.
 
     Each of ``temps`` (world-writable folders) becomes a private one; a needed path in one is shown again
-    there, and a world-writable folder inside a needed path stays as it is (it is the job's own). Each of
-    ``hides`` is hidden whatever else shows it.
+    there, and a world-writable folder that is or lies inside a needed path (a job file kept in ``/tmp``
+    itself) stays as it is: the job asked for it, and :mod:`e31_prefect.leftovers` clears what its uid
+    left there before the uid is reused. Each of ``hides`` is hidden whatever else shows it.
     """
     paths = sorted({Path(os.path.realpath(p)) for p in needed}, key=lambda p: (len(p.parts), str(p)))
     view = View(temp_bytes=temp_bytes)
