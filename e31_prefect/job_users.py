@@ -3,7 +3,9 @@
 Where the worker runs as root, a process job runs as a uid of its own (and the
 group of the same number; no account is needed), taken from :data:`JOB_UIDS` by
 a lock file in :data:`LOCKS`, held by the run's supervisor for as long
-as the work lives. So a job cannot read the worker's or another job's
+as the work lives (a worker may take a narrower range, ``E31_JOB_UIDS``: every range shares the
+host's lock folder). What a uid left in the host's world-writable folders is removed before it
+is handed out again (:mod:`e31_prefect.leftovers`). So a job cannot read the worker's or another job's
 ``/proc`` entries, the ledger, the spool, the cache, or another run's workspace:
 it owns only its output dir and its home, and its workspace and ledger folder
 let its group in, to reach what it was given.

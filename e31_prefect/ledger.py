@@ -95,6 +95,9 @@ class Spec:
     job_user_locks: str | None = None  # run the process as a uid of its own, claimed in this lock folder
     job_writable: list[str] = field(default_factory=list)  # folders that uid owns (its output dir, its home)
     job_view: list[str] = field(default_factory=list)  # what the job must reach, whatever folders lie above
+    job_hidden: list[str] = field(default_factory=list)  # host folders the job must not see (e31's lock folders)
+    job_temp_bytes: int = 2 * 2**30  # the size bound of each of its private temp folders (/tmp, /dev/shm ...)
+    job_uids: list[int] = field(default_factory=lambda: [61000, 61999])  # the uids it may run as, first and last
 
 
 @dataclass

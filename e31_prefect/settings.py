@@ -138,3 +138,43 @@ class E31Settings(BaseSettings):
                     raise ValueError(f"team {team!r}: {str(root)!r} is not an absolute folder; give each root "
                                      "as an absolute path, e.g. /datasets")
         return value
+
+    # A process job's private temp folders and the uids it runs as (issue 21).
+    job_temp_bytes: int = Field(
+        default=2 * 2**30,
+        description="Size bound of each private temp folder a process job gets in place of the host's world-"
+        "writable ones (/tmp, /var/tmp, /dev/shm, /run/lock ...): bytes, or 512m, 8Gi. Write bigger scratch "
+        "files in the workspace.",
+    )
+    job_uids: str = Field(
+        default="61000-61999", pattern=r"^\d+-\d+$",
+        description="The uids process jobs run as where the worker runs as root, first-last (no account is "
+        "needed). Every worker on a host claims them in one host-wide folder, whatever its range.",
+    )
+
+    @field_validator("job_temp_bytes", mode="before")
+    @classmethod
+    def _temp_size(cls, value: object) -> object:
+        try:
+            size = parse_bytes(value) if isinstance(value, (str, int)) else value
+        except ValueError:
+            raise ValueError(f"E31_JOB_TEMP_BYTES={value!r} is not a size; {SIZE_HINT}") from None
+        if isinstance(size, int) and size < 2**20:  # tmpfs reads 0 as no bound at all
+            raise ValueError(f"E31_JOB_TEMP_BYTES={value!r}: a job's temp folders need a bound of 1m or more, "
+                             "e.g. 2Gi")
+        return size
+
+    @field_validator("job_uids")
+    @classmethod
+    def _uid_range(cls, value: str) -> str:
+        first, last = (int(part) for part in value.split("-"))
+        if not 1000 <= first <= last < 2**31:
+            raise ValueError(f"E31_JOB_UIDS={value!r}: give first-last with 1000 <= first <= last < 2147483648, "
+                             "far from the host's accounts, e.g. 61000-61999")
+        return value
+
+    @property
+    def job_uid_range(self) -> range:
+        """The uids process jobs run as."""
+        first, last = (int(part) for part in self.job_uids.split("-"))
+        return range(first, last + 1)

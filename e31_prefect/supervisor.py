@@ -38,7 +38,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any, Protocol
 
-from e31_prefect import cgroups, job_users, sandbox
+from e31_prefect import cgroups, job_users, leftovers, sandbox
 from e31_prefect.gateway import Gateway, auth_header
 from e31_prefect.ledger import Record, RunFolder, Spec, append_line, moment, now, this_process
 
@@ -92,12 +92,16 @@ class ProcessWork:
         record.limits = dict(self.group.limits)
         record.notes += self.group.why
         self.process: subprocess.Popen[bytes] | None = None
+        self._user: job_users.JobUser | None = None
         self._pidfd = -1
         self._exit: Exit | None = None
 
     def start(self) -> str | None:
-        files, private, uid = self.group.join_files, self.spec.private_network, self._job_uid()
-        view = sandbox.plan_view(map(Path, self.spec.job_view)) if self.spec.job_view else None
+        # The host's world-writable folders (milliseconds): the job gets private ones in their place.
+        temps = leftovers.world_writable() if self.spec.job_view else []
+        files, private, uid = self.group.join_files, self.spec.private_network, self._job_uid(temps)
+        view = sandbox.plan_view(map(Path, self.spec.job_view), temps=temps, hides=map(Path, self.spec.job_hidden),
+                                 temp_bytes=self.spec.job_temp_bytes) if self.spec.job_view else None
 
         def before_exec() -> None:  # as root, in the child: its cgroup, its namespaces, then its user
             if files:
@@ -116,14 +120,17 @@ class ProcessWork:
         self._pidfd = os.pidfd_open(self.process.pid)
         return str(self.process.pid)
 
-    def _job_uid(self) -> int | None:
-        """The uid of the job's own (held by this supervisor until it exits), its folders handed over."""
+    def _job_uid(self, world_writable: list[Path]) -> int | None:
+        """The uid of the job's own (held by this supervisor until it exits), its folders handed over, and
+        nothing left on the host by an earlier job of that uid whose supervisor died before it swept."""
         if not self.spec.job_user_locks:
             return None
-        user = job_users.claim(Path(self.spec.job_user_locks))
+        first, last = self.spec.job_uids
+        user = job_users.claim(Path(self.spec.job_user_locks), range(first, last + 1))
         if user is None:
-            raise RuntimeError(f"every job uid of this host ({job_users.JOB_UIDS}) is held by a running job")
+            raise RuntimeError(f"every job uid of this host ({first}-{last}) is held by a running job")
         self._user = user  # its lock stays open as long as the supervisor runs
+        self.record.notes += leftovers.sweep(user.uid, world_writable)
         job_users.hand_over(user.uid, Path(self.spec.cwd or "."), [Path(p) for p in self.spec.job_writable],
                             self.ledger_folder)
         self.record.job_user = user.uid
@@ -167,6 +174,8 @@ class ProcessWork:
         self.kill()
         reap()
         self.group.remove()
+        if self._user is not None:  # before the uid goes back (this supervisor's exit): nothing of it stays
+            self.record.notes += leftovers.sweep(self._user.uid, leftovers.world_writable())
         with contextlib.suppress(OSError):
             os.close(self._pidfd)
 

@@ -50,7 +50,8 @@ class ProcessRuntime:
             return None
         unreadable = await asyncio.to_thread(unreadable_to_jobs, needed_paths(self.configuration))
         if unreadable:
-            return (f"a job's own user (uid {job_users.JOB_UIDS[0]} and up) cannot read {', '.join(unreadable)}: "
+            first = self.settings.job_uid_range[0]
+            return (f"a job's own user (uid {first} and up) cannot read {', '.join(unreadable)}: "
                     "make them readable to others (chmod o+rX on each folder down to them), "
                     "or set E31_JOB_USERS=worker")
         return None
@@ -59,9 +60,14 @@ class ProcessRuntime:
         home = placement.workspace / "home"
         home.mkdir(parents=True, exist_ok=True)
         view = [*needed_paths(self.configuration), placement.workspace, placement.folder.path]
+        uids = self.settings.job_uid_range
         isolated = {"private_network": True, "job_user_locks": str(job_users.LOCKS),
                     "job_writable": [str(placement.output_dir), str(home)],
-                    "job_view": [str(path) for path in view]} if self.isolated else {}
+                    "job_view": [str(path) for path in view],
+                    # The host's lock folders: a job must not hold the lock of a device (or a uid) it was not given.
+                    "job_hidden": [str(self.settings.device_locks), str(job_users.LOCKS)],
+                    "job_temp_bytes": self.settings.job_temp_bytes,
+                    "job_uids": [uids[0], uids[-1]]} if self.isolated else {}
         return placement.spec(
             self.name, argv=[sys.executable, "-m", "e31_prefect.job_entry"], env=environment(placement, home),
             cwd=str(placement.workspace), **isolated)
