@@ -24,6 +24,10 @@ from typing import Any
 
 from e31_prefect import confine
 
+# The kernel's views of processes and devices are no one's data: /proc/self/environ would hand a job the
+# environment (the credentials) of the `e31 run` that stages it.
+NEVER_DATA = ("/proc", "/sys", "/dev")
+
 
 def user_may_read(path: str) -> bool:
     """Whether the user running this process may read ``path`` (a folder: list and enter it)."""
@@ -34,14 +38,17 @@ def user_may_read(path: str) -> bool:
 def readable_inputs(sources: Iterable[str], roots: Sequence[Path],
                     may_read: Callable[[str], bool] = user_may_read) -> list[Path]:
     """The real paths of the ``file://`` ``sources`` that lie outside ``roots`` and that ``may_read`` allows:
-    the folders ``e31 run`` adds to a run's roots. Other schemes, and paths already under a root, are left out."""
+    the folders ``e31 run`` adds to a run's roots. Other schemes, paths already under a root and the kernel's
+    pseudo-files (:data:`NEVER_DATA`) are left out: the rule refuses them as it would anywhere."""
     real_roots = [os.path.realpath(root) for root in roots]
     found: list[Path] = []
     for source in sources:
         if not source.startswith("file://"):
             continue
         real = os.path.realpath(source.removeprefix("file://"))
-        if confine.root_holding(real, real_roots) is None and may_read(real) and Path(real) not in found:
+        if confine.root_holding(real, NEVER_DATA) is not None or confine.root_holding(real, real_roots) is not None:
+            continue
+        if may_read(real) and Path(real) not in found:
             found.append(Path(real))
     return found
 

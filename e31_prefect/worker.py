@@ -50,6 +50,7 @@ from e31_prefect.ledger import Holding, Ledger, RunFolder, this_process
 from e31_prefect.life import JobLife, infrastructure_id, parse_infrastructure_id, scheduled_start
 from e31_prefect.meter import Meter
 from e31_prefect.run_states import RunStates, read_states
+from e31_prefect.runtimes import SET_FOR_THE_RUN
 from e31_prefect.runtimes import container as containers
 from e31_prefect.scheduling import Busy, WaitingQueue, WaitingRun, decide
 from e31_prefect.settings import E31Settings
@@ -96,6 +97,11 @@ class _PoolSettings(BaseVariables):
     command: str | None = Field(
         default=None, title="Command",
         description="Refused: e31 runs Prefect's engine itself; a job's work is its work.flow or work.command.")
+    env: dict[str, str | None] = Field(
+        default_factory=dict, title="Environment Variables",
+        description="Environment variables to set when starting a flow run (a job's own are its work.env). "
+        "Refused: PREFECT_API_URL (a job reaches Prefect through its run's gateway), Prefect's credentials, "
+        "server settings and home, and what e31 sets for each run: " + ", ".join(SET_FOR_THE_RUN) + ".")
     gpu_device_requests: containers.GpuRequests = Field(
         default="auto", title="GPU device requests",
         description="Send containers a device request for their GPUs: auto (when the engine has the NVIDIA "

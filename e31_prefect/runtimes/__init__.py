@@ -134,7 +134,8 @@ def env_problems(env: dict[str, Any]) -> list[Problem]:
             continue
         # A credential or database URL is not repeated in the run's state, where anyone may read it.
         shown = "<hidden>" if name.startswith(WITHHELD_PREFECT) and name != "PREFECT_API_URL" else value
-        problems.append(Problem(f"env.{name}", shown, fix))
+        named = name if len(name) <= 80 else name[:77] + "..."  # a huge name does not swell the run's state
+        problems.append(Problem(f"env.{named}", shown, fix))
     return problems
 
 

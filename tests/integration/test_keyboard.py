@@ -31,7 +31,7 @@ JOB = """
     work: {flow: flow.py:count}
     data: [{from: ../data/people.csv}]
     request: {gpus: 0, max_duration: 5m}
-    output: {to: ./out/{flow_run.id}/}
+    output: {to: "./out/{flow_run.id}/"}
     """
 
 

@@ -137,6 +137,8 @@ def test_what_e31_would_replace_or_withhold_is_refused_by_name_not_ignored(tmp_p
     assert "pnu_secret" not in text and "pw@db" not in text  # a state message is no place for a secret
     assert len(problems) == 7  # the job's own SEED and HOME, and a named network, are the job's
     assert container.setting_problems({"network_mode": "container:other-job"}, [])[0].field == "network_mode"
+    [huge] = container.setting_problems({"env": {"PREFECT_SERVER_" + "X" * 100_000: "v" * 100_000}}, [])
+    assert len(str(huge)) < 400  # a hostile name or value does not swell the run's state
     for fine in ("none", "bridge", "lab-net"):
         assert container.setting_problems({"network_mode": fine}, []) == []
 
@@ -181,4 +183,6 @@ def test_the_pool_form_describes_every_docker_setting_as_it_works_on_e31():
     for name in container.DOCKER_SETTINGS:
         assert form[name]["description"] == container.DOCKER_SETTINGS[name]
     assert "Refused" in form["command"]["description"]
+    assert "Refused: PREFECT_API_URL" in form["env"]["description"]
+    assert "CUDA_VISIBLE_DEVICES" in form["env"]["description"]
     assert E31Variables.model_fields["image"].default is None

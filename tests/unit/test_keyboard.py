@@ -37,6 +37,14 @@ def test_what_the_user_may_not_read_stays_refused_and_a_link_is_judged_by_its_ta
     assert asked == [str(tmp_path / "private")]
 
 
+def test_the_kernels_pseudo_files_are_never_added(tmp_path: Path):
+    """/proc/self/environ is readable by its own process: it would stage `e31 run`'s credentials for the job."""
+    (tmp_path / "environ").symlink_to("/proc/self/environ")
+    sources = ["file:///proc/self/environ", f"file://{tmp_path}/environ", "file:///sys/kernel", "file:///dev/null",
+               f"file://{tmp_path}/{'../' * 40}proc/self/status"]
+    assert keyboard.readable_inputs(sources, [tmp_path / "job"], lambda path: True) == []
+
+
 def test_the_user_running_the_command_decides(tmp_path: Path):
     readable = tmp_path / "mine.csv"
     readable.write_text("x")
