@@ -123,6 +123,7 @@ class _Configuration(DockerWorkerJobConfiguration):
     _job_name: str = PrivateAttr(default="job")
     _command_given: str | None = PrivateAttr(default=None)
     _env_given: dict[str, Any] | None = PrivateAttr(default=None)
+    _labels_given: dict[str, Any] | None = PrivateAttr(default=None)
     _job_folder: Path | None = PrivateAttr(default=None)
     _code_folder: Path | None = PrivateAttr(default=None)
     _entrypoint: str | None = PrivateAttr(default=None)
@@ -144,6 +145,7 @@ class _Configuration(DockerWorkerJobConfiguration):
     ) -> None:
         """Stamp Prefect's environment and labels; the job is named after its deployment."""
         self._command_given, self._env_given, image = self.command, dict(self.env or {}), self.image
+        self._labels_given = dict(self.labels or {})
         self.image = image or "unused"  # spares prefect-docker computing a default image (a git subprocess)
         super().prepare_for_flow_run(flow_run, deployment, flow, work_pool, worker_name, worker_id=worker_id)
         self.image = image
@@ -183,9 +185,11 @@ class _Configuration(DockerWorkerJobConfiguration):
     def setting_problems(self, allowed_volumes: list[Path]) -> list[Problem]:
         """The prefect-docker settings of this run that an e31 pool refuses, each with the e31 way instead."""
         settings = {name: getattr(self, name) for name in containers.DOCKER_SETTINGS}
-        env = self.env if self._env_given is None else self._env_given  # as given, before Prefect's own
-        return containers.setting_problems({**settings, "command": self._command_given, "env": env},
-                                           allowed_volumes)
+        # As given, before Prefect adds its own.
+        env = self.env if self._env_given is None else self._env_given
+        labels = self.labels if self._labels_given is None else self._labels_given
+        return containers.setting_problems({**settings, "command": self._command_given, "env": env,
+                                            "labels": labels}, allowed_volumes)
 
     def code_mount(self) -> Path | None:
         """The folder of the job's code that its container sees read-only at its own path: the job's folder,

@@ -73,6 +73,7 @@ CREATE_OPTIONS = ("shm_size", "ipc_mode", "ulimits", "tmpfs")  # widen nothing t
 IPC_MODES = ("private", "shareable", "none")
 # How prefect-docker labels a run's container (Prefect's prefect.io/flow-run-id, in Docker's reversed form).
 RUN_LABEL = "io.prefect.flow-run-id"
+OWN_LABELS = ("prefect.io/", "io.prefect.", "e31.")  # the labels Prefect, prefect-docker and e31 set
 NETWORK_FIX = ("would put the job on the host's network or another container's (the host's loopback services, "
                "the Prefect API around the run's gateway); a job reaches its own flow run's Prefect calls "
                "through its gateway with no network: for more, give a Docker network (networks: [NAME] or "
@@ -81,8 +82,8 @@ NETWORK_FIX = ("would put the job on the host's network or another container's (
 def setting_problems(settings: dict[str, Any], allowed_volumes: Sequence[Path]) -> list[Problem]:
     """Each prefect-docker setting of a run that an e31 pool refuses: its name, value, and the e31 way instead.
 
-    ``settings``: the run's values, those left at prefect-docker's defaults included (``command`` and
-    ``env`` as the deployment or run gave them, before Prefect fills in its own).
+    ``settings``: the run's values, those left at prefect-docker's defaults included (``command``, ``env``
+    and ``labels`` as the deployment or run gave them, before Prefect fills in its own).
     """
     problems = []
     refused = {
@@ -109,6 +110,9 @@ def setting_problems(settings: dict[str, Any], allowed_volumes: Sequence[Path]) 
         problems.append(Problem("network_mode", mode, NETWORK_FIX))
     problems += [Problem("networks", name, NETWORK_FIX) for name in settings.get("networks") or () if name == "host"]
     problems += env_problems(settings.get("env") or {})
+    problems += [Problem(f"labels.{key}", value, "Prefect and e31 label a run's container themselves (e31 finds, "
+                         "stops and removes a run's container by its run label); use a label of your own namespace")
+                 for key, value in (settings.get("labels") or {}).items() if str(key).startswith(OWN_LABELS)]
     for volume in settings.get("volumes") or []:
         if read_only_volume(volume, allowed_volumes) is None:
             allowed = ", ".join(map(str, allowed_volumes)) or "none on this host"

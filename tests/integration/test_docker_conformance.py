@@ -317,12 +317,13 @@ def test_a_docker_error_reaches_the_runs_state_and_message(kind, prefect_server,
 @pytest.mark.parametrize("kind", KINDS)
 def test_settings_e31_would_override_are_refused_by_name_not_replaced(kind, prefect_server, job_image, tmp_path,
                                                                       pool):
-    """An explicit API URL, device list or host network is honoured by the stock worker; e31 sets its own for
-    isolation, so it refuses each by name before renting instead of replacing it without a word."""
+    """An explicit API URL, device list, host network or run label is honoured by the stock worker; e31 sets
+    its own for isolation, so it refuses each by name before renting instead of replacing it without a word."""
     api = os.environ["PREFECT_API_URL"]
     contender = Contender(kind, tmp_path / kind, pool, job_image, {
         "network_mode": "host", "env": {"PREFECT_API_URL": api, "CUDA_VISIBLE_DEVICES": "0,1,2,3",
-                                        "CONFORMANCE": "kept"}})
+                                        "CONFORMANCE": "kept"},
+        "labels": {"prefect.io/flow-run-id": "another-run", "team": "vision"}})
     run_id = contender.run_once()
     state = read_run(run_id).state
     if kind == "docker":
@@ -331,9 +332,10 @@ def test_settings_e31_would_override_are_refused_by_name_not_replaced(kind, pref
         return
     assert state.name == "InvalidJob", state
     for named in (f"env.PREFECT_API_URL = '{api}': e31 sets it", "env.CUDA_VISIBLE_DEVICES = '0,1,2,3': e31 sets it",
-                  "network_mode = 'host': would put the job on the host's network"):
+                  "network_mode = 'host': would put the job on the host's network",
+                  "labels.prefect.io/flow-run-id = 'another-run': Prefect and e31 label a run's container"):
         assert named in state.message, state.message
-    assert "CONFORMANCE" not in state.message  # the job's own variables are the job's
+    assert "CONFORMANCE" not in state.message and "vision" not in state.message  # the team's own are the team's
     assert "e31:billed-s=0" in read_run(run_id).tags
 
 

@@ -137,6 +137,10 @@ def test_what_e31_would_replace_or_withhold_is_refused_by_name_not_ignored(tmp_p
     assert "pnu_secret" not in text and "pw@db" not in text  # a state message is no place for a secret
     assert len(problems) == 7  # the job's own SEED and HOME, and a named network, are the job's
     assert container.setting_problems({"network_mode": "container:other-job"}, [])[0].field == "network_mode"
+    labelled = container.setting_problems({"labels": {"prefect.io/flow-run-id": "another-run", "team": "vision",
+                                                      "io.prefect.version": "0", "e31.job": "x"}}, [])
+    assert [p.field for p in labelled] == ["labels.prefect.io/flow-run-id", "labels.io.prefect.version",
+                                           "labels.e31.job"]  # a label of the team's own is the team's
     [huge] = container.setting_problems({"env": {"PREFECT_SERVER_" + "X" * 100_000: "v" * 100_000}}, [])
     assert len(str(huge)) < 400  # a hostile name or value does not swell the run's state
     for fine in ("none", "bridge", "lab-net"):
@@ -149,9 +153,10 @@ def test_a_runs_own_prefect_environment_is_not_taken_for_a_setting(tmp_path: Pat
 
     from e31_prefect.worker import E31JobConfiguration
 
-    configuration = E31JobConfiguration(env={"SEED": "7"}, request={"max_duration": "1h"})
+    configuration = E31JobConfiguration(env={"SEED": "7"}, labels={"team": "vision"}, request={"max_duration": "1h"})
     configuration.prepare_for_flow_run(FlowRun(flow_id=uuid4(), name="my run"))
     assert "PREFECT_API_URL" in configuration.env and "PREFECT__FLOW_RUN_ID" in configuration.env
+    assert "io.prefect.flow-run-id" in configuration.labels
     assert configuration.setting_problems([]) == []
     given = E31JobConfiguration(env={"PREFECT_API_URL": "http://elsewhere/api"}, request={"max_duration": "1h"})
     given.prepare_for_flow_run(FlowRun(flow_id=uuid4(), name="my run"))
