@@ -126,6 +126,8 @@ def env_problems(env: dict[str, Any]) -> list[Problem]:
             fix = ("e31 sets it: a job reaches its own flow run's Prefect calls through its run's gateway, "
                    "with the worker's server and credentials; remove it")
         elif name.startswith(WITHHELD_PREFECT):
+            if value is None:  # asked unset (as prefect-docker allows): e31 never passes it on anyway
+                continue
             fix = ("a job never receives the worker's Prefect credentials, server settings or home; remove it "
                    "(a job's Prefect keeps its own home in its workspace)")
         elif name in SET_FOR_THE_RUN:

@@ -400,3 +400,27 @@ def test_initiate_run_returns_once_started_and_the_run_lives_on(kind, prefect_se
     if kind == "e31":
         assert any(tag.startswith("e31:billed-s=") for tag in run.tags), run.tags  # metered and released
         assert (contender.folder / "out" / "seen.json").exists()  # its outputs sent
+
+
+def test_a_container_left_by_a_dead_supervisor_is_found_by_prefect_dockers_run_label(job_image, tmp_path):
+    """prefect-docker labels a run's container io.prefect.flow-run-id: what e31 looks for when a run's
+    supervisor died and its container must go (a label that never matches leaves it running unbounded)."""
+    from uuid import uuid4
+
+    from e31_prefect.ledger import Holding, Ledger
+    from e31_prefect.life import _stop_leftovers
+
+    run_id = str(uuid4())
+    subprocess.run(["docker", "run", "-d", "--network", "none", "--label", f"{RUN_LABEL}={run_id}", job_image,
+                    "sleep", "600"], check=True, capture_output=True)
+    folder = Ledger(tmp_path / "ledger").folder(run_id)
+    folder.write_holding(Holding(flow_run_id=run_id, worker_pid=1, worker_started="0", job_name="left",
+                                 devices=[], workspace=str(tmp_path / "workspace"), runtime="container"))
+    try:
+        _stop_leftovers(folder)
+        listed = subprocess.run(["docker", "ps", "-aq", "--filter", f"label={RUN_LABEL}={run_id}"],
+                                capture_output=True, text=True, check=True)
+        assert listed.stdout.split() == [], "the container a dead supervisor left still runs"
+    finally:
+        subprocess.run(f"docker ps -aq --filter label={RUN_LABEL}={run_id} | xargs -r docker rm -f", shell=True,
+                       capture_output=True)

@@ -141,6 +141,8 @@ def test_what_e31_would_replace_or_withhold_is_refused_by_name_not_ignored(tmp_p
                                                       "io.prefect.version": "0", "e31.job": "x"}}, [])
     assert [p.field for p in labelled] == ["labels.prefect.io/flow-run-id", "labels.io.prefect.version",
                                            "labels.e31.job"]  # a label of the team's own is the team's
+    # Unsetting what e31 never passes on (prefect-docker's way: a None value) asks for what e31 does anyway.
+    assert container.setting_problems({"env": {"PREFECT_API_KEY": None, "PREFECT_HOME": None}}, []) == []
     [huge] = container.setting_problems({"env": {"PREFECT_SERVER_" + "X" * 100_000: "v" * 100_000}}, [])
     assert len(str(huge)) < 400  # a hostile name or value does not swell the run's state
     for fine in ("none", "bridge", "lab-net"):
