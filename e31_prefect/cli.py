@@ -351,7 +351,7 @@ async def _run_async(job: Job, args: argparse.Namespace, now: datetime) -> int:
         print(f"Waiting for its start at {flow_run.expected_start_time.isoformat(timespec='minutes')} "
               "(use --now to start at once)")
     bar = ShardsBar(flow_run.id) if job.work.shards and sys.stdout.isatty() else None
-    async with E31Worker(work_pool_name=args.pool, only_flow_run_ids={flow_run.id}) as worker:
+    async with E31Worker(work_pool_name=args.pool, only_flow_run_ids={flow_run.id}, at_keyboard=True) as worker:
         await worker.sync_with_backend()
         while True:
             if not worker.busy:  # once the run is taken, polling for it would only load the API

@@ -63,7 +63,10 @@ MAX_SHARDS_PER_GPU = 64
 NUL_FIX = "contains a NUL character (\\0), which no command, path or variable can carry; remove it"
 
 def job_name(text: str) -> str:
-    """Any name (a flow's, say) as a valid job name: letters, digits, '.', '_' and '-'."""
+    """Any name Prefect accepts (a flow's, a deployment's such as ``My Deployment 1``, a flow run's) as a
+    valid job name: letters, digits, '.', '_' and '-'. A valid one is kept as it is."""
+    if _NAME.match(text):
+        return text
     return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-._")[:63] or "flow"
 
 

@@ -33,7 +33,7 @@ import httpx
 from prefect.client.schemas.objects import FlowRun, State
 from prefect.exceptions import ObjectNotFound
 
-from e31_prefect import cgroups, endings, quotas, reporting, results, shards, spool, timing
+from e31_prefect import cgroups, endings, keyboard, quotas, reporting, results, shards, spool, timing
 from e31_prefect.blocks import StorageBlockError, load_job_storage
 from e31_prefect.command_flow import COMMAND_FLOW_ENTRYPOINT
 from e31_prefect.endings import Ending
@@ -165,6 +165,7 @@ class JobLife:
         self.options: dict[str, Any] | None = None  # the storage block's fsspec options (None: default chain)
         self.storage: Any = None
         self.infrastructure: str | None = None
+        self.start_error: str | None = None  # why the runtime could not start the work (a Docker error)
         self._started = False
         self._detached = False
         self._owner = owner  # the run's owner lock in the ledger folder, from taking the run to release
@@ -219,6 +220,9 @@ class JobLife:
             supervisor = await self.start_work(placement, runtime)
             await held.enter_async_context(self.watching(supervisor))
             record = await supervisor.wait()
+        runtime.ended()
+        if record is not None and record.ending == "not-started" and self.start_error:
+            record.message = self.start_error
         self.log.info("Work ended (%s, exit code %s); devices %s back in the pool",
                       record.ending if record else "no record", record.exit_code if record else "?",
                       [d.index for d in self.devices] or "none")
@@ -254,7 +258,9 @@ class JobLife:
         self.job_name = job.name
         self.meter.gpus, self.meter.team = job.request.gpus, job.team
         refused = self.configuration.setting_problems(self.worker.settings.allowed_volumes)
-        unused = [] if job.work.image else [p for p in refused if p.field != "command"]  # only a container's
+        # Only a container's, but for the command and the environment, which every runtime would replace.
+        unused = [] if job.work.image else [p for p in refused
+                                            if p.field != "command" and not p.field.startswith("env.")]
         if unused:
             self.log.warning("Container settings a process job does not use: %s", "; ".join(map(str, unused)))
         refused = [problem for problem in refused if problem not in unused]
@@ -290,7 +296,10 @@ class JobLife:
         try:
             self.storage = await load_job_storage(job.storage, job.team) if job.storage else None
             self.options = self.storage.fsspec_options() if self.storage else None
-            stage = functools.partial(stage_inputs, roots=self._file_roots(job), team=job.team)
+            roots = self._file_roots(job)
+            if self.worker.at_keyboard:  # e31 run: the one who submits runs the host (e31_prefect.keyboard)
+                roots = keyboard.widened_roots([item.source for item in job.data], roots, self.log)
+            stage = functools.partial(stage_inputs, roots=roots, team=job.team)
             staged = await anyio.to_thread.run_sync(stage, job.data, self.workspace / "data", self.options,
                                                     self.log, abandon_on_cancel=True)
         except (StagingError, StorageBlockError) as exc:
@@ -393,6 +402,7 @@ class JobLife:
             await runtime.start(placement, supervisor)
         except Exception as exc:
             self.log.error("The work could not be started: %s: %s", type(exc).__name__, exc)
+            self.start_error = f"{type(exc).__name__}: {exc}"  # the run's state quotes it (the engine's error)
         record = await supervisor.started()
         if record.started:
             self._on_started(record)
@@ -757,11 +767,12 @@ def _stop_leftovers(folder: RunFolder) -> None:
     if holding is not None and holding.runtime == "container":
         with contextlib.suppress(Exception):
             import docker
+            from e31_prefect.runtimes.container import RUN_LABEL
 
             client = docker.from_env(timeout=30)
             try:
                 for container in client.containers.list(
-                        all=True, filters={"label": f"prefect.io/flow-run-id={folder.run_id}"}):
+                        all=True, filters={"label": f"{RUN_LABEL}={folder.run_id}"}):
                     container.remove(force=True)
             finally:
                 client.close()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -49,6 +50,7 @@ from e31_prefect.ledger import Holding, Ledger, RunFolder, this_process
 from e31_prefect.life import JobLife, infrastructure_id, parse_infrastructure_id, scheduled_start
 from e31_prefect.meter import Meter
 from e31_prefect.run_states import RunStates, read_states
+from e31_prefect.runtimes import SET_FOR_THE_RUN
 from e31_prefect.runtimes import container as containers
 from e31_prefect.scheduling import Busy, WaitingQueue, WaitingRun, decide
 from e31_prefect.settings import E31Settings
@@ -95,6 +97,11 @@ class _PoolSettings(BaseVariables):
     command: str | None = Field(
         default=None, title="Command",
         description="Refused: e31 runs Prefect's engine itself; a job's work is its work.flow or work.command.")
+    env: dict[str, str | None] = Field(
+        default_factory=dict, title="Environment Variables",
+        description="Environment variables to set when starting a flow run (a job's own are its work.env). "
+        "Refused: PREFECT_API_URL (a job reaches Prefect through its run's gateway), Prefect's credentials, "
+        "server settings and home, and what e31 sets for each run: " + ", ".join(SET_FOR_THE_RUN) + ".")
     gpu_device_requests: containers.GpuRequests = Field(
         default="auto", title="GPU device requests",
         description="Send containers a device request for their GPUs: auto (when the engine has the NVIDIA "
@@ -115,6 +122,8 @@ class _Configuration(DockerWorkerJobConfiguration):
 
     _job_name: str = PrivateAttr(default="job")
     _command_given: str | None = PrivateAttr(default=None)
+    _env_given: dict[str, Any] | None = PrivateAttr(default=None)
+    _labels_given: dict[str, Any] | None = PrivateAttr(default=None)
     _job_folder: Path | None = PrivateAttr(default=None)
     _code_folder: Path | None = PrivateAttr(default=None)
     _entrypoint: str | None = PrivateAttr(default=None)
@@ -135,11 +144,12 @@ class _Configuration(DockerWorkerJobConfiguration):
         worker_id: UUID | None = None,
     ) -> None:
         """Stamp Prefect's environment and labels; the job is named after its deployment."""
-        self._command_given, image = self.command, self.image
+        self._command_given, self._env_given, image = self.command, dict(self.env or {}), self.image
+        self._labels_given = dict(self.labels or {})
         self.image = image or "unused"  # spares prefect-docker computing a default image (a git subprocess)
         super().prepare_for_flow_run(flow_run, deployment, flow, work_pool, worker_name, worker_id=worker_id)
         self.image = image
-        self._job_name = deployment.name if deployment else flow_run.name
+        self._job_name = job_name(deployment.name if deployment else flow_run.name)  # Prefect allows spaces
         self._job_folder = job_folder(deployment)
         self._code_folder = code_folder(deployment)
         self._entrypoint = deployment.entrypoint if deployment else None
@@ -175,7 +185,11 @@ class _Configuration(DockerWorkerJobConfiguration):
     def setting_problems(self, allowed_volumes: list[Path]) -> list[Problem]:
         """The prefect-docker settings of this run that an e31 pool refuses, each with the e31 way instead."""
         settings = {name: getattr(self, name) for name in containers.DOCKER_SETTINGS}
-        return containers.setting_problems({**settings, "command": self._command_given}, allowed_volumes)
+        # As given, before Prefect adds its own.
+        env = self.env if self._env_given is None else self._env_given
+        labels = self.labels if self._labels_given is None else self._labels_given
+        return containers.setting_problems({**settings, "command": self._command_given, "env": env,
+                                            "labels": labels}, allowed_volumes)
 
     def code_mount(self) -> Path | None:
         """The folder of the job's code that its container sees read-only at its own path: the job's folder,
@@ -257,7 +271,7 @@ class E31Worker(DockerWorker):
     _documentation_url = "https://github.com/e31-network/e31-prefect"
 
     def __init__(self, *args: Any, settings: E31Settings | None = None,
-                 only_flow_run_ids: set[UUID] | None = None, **kwargs: Any):
+                 only_flow_run_ids: set[UUID] | None = None, at_keyboard: bool = False, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.settings = settings or E31Settings()
         self.inventory = Inventory(discover(self.settings.gpus), self.settings.device_locks, self._logger)
@@ -275,6 +289,8 @@ class E31Worker(DockerWorker):
         self.evaluations: backlog.Evaluations[tuple[WaitingRun, str, str | None]] = backlog.Evaluations()
         # `e31 run` drives a worker for its own run only; `prefect worker start` takes the whole pool.
         self._only_flow_run_ids = only_flow_run_ids
+        # `e31 run`: the one who submits runs this host too; their job's file:// inputs they may read are staged.
+        self.at_keyboard = at_keyboard
         self._stopping = False
         self._serving = False  # a pool's worker (`prefect worker start`), which adopts what dead workers left
         self._follows_events = False  # a pool's worker that polls more than once keeps its backlog between polls
@@ -429,11 +445,14 @@ class E31Worker(DockerWorker):
         queues, deployments, *page = await asyncio.gather(*reads)
         responses = await self._backlog(queues, page[0] if page else None)
         self._last_polled_time = datetime.now(timezone.utc)
+        # As Prefect's worker does, a run still being submitted is listed again, not submitted again.
+        in_flight = [r.flow_run for r in responses if r.flow_run.id in self._submitting_flow_run_ids
+                     and (self._only_flow_run_ids is None or r.flow_run.id in self._only_flow_run_ids)]
         if self._submitting_flow_run_ids or self._only_flow_run_ids is not None:
             responses = [r for r in responses if r.flow_run.id not in self._submitting_flow_run_ids
                          and (self._only_flow_run_ids is None or r.flow_run.id in self._only_flow_run_ids)]
         if not responses:
-            return []
+            return in_flight
         waiting = await self._waiting_runs(responses, queues, deployments)
         now = datetime.now(timezone.utc)
         busy = [Busy(device, self.holds_until.get(holder))
@@ -459,7 +478,7 @@ class E31Worker(DockerWorker):
                 self.return_devices(response.flow_run.id)
             elif self.backlog_watch is not None:
                 self.backlog_watch.drop(response.flow_run.id)
-        return [response.flow_run for response in chosen if response.flow_run.id in submitted]
+        return in_flight + [response.flow_run for response in chosen if response.flow_run.id in submitted]
 
     async def read_waiting(self) -> dict[UUID, tuple[WaitingRun, str, str]]:
         """Every due run of the pool, evaluated as a poll evaluates it, with its flow run's and job's names
@@ -565,7 +584,7 @@ class E31Worker(DockerWorker):
 
     async def _evaluate(self, flow_run: FlowRun, deployment: DeploymentResponse | None,
                         jobs: dict[str, Job | Exception]) -> tuple[WaitingRun, str, str | None]:
-        name = deployment.name if deployment else flow_run.name
+        name = job_name(deployment.name if deployment else flow_run.name)
         try:
             run, team = await self._waiting_run(flow_run, deployment, name, jobs)
         except Exception as exc:
@@ -708,6 +727,19 @@ class E31Worker(DockerWorker):
             flow_run=flow_run, flow=SimpleNamespace(id=flow_run.flow_id, name=flow.name, labels={}),
             work_pool=self.work_pool, worker_name=self.name, worker_id=self.backend_id)
         await self.run(flow_run, configuration)
+
+    async def _initiate_run(self, flow_run: FlowRun, configuration: Any) -> None:
+        """Start a run's whole life on this worker (admit, stage, rent, run, send, release) and return as soon
+        as its work started, or its life ended first, as Prefect's contract for this method says.
+
+        prefect-docker's own would only create a container (and fail on a job with no image): the life goes
+        on in the worker's task group, as a polled run's does, and its infrastructure id is recorded.
+        """
+        if self._runs_task_group is None:
+            raise RuntimeError("Worker not properly initialized")
+        started = await self._runs_task_group.start(functools.partial(self.run, flow_run, configuration))
+        if isinstance(started, str):  # its infrastructure id: Prefect's cancellation path finds the work from it
+            await self.client.update_flow_run(flow_run.id, infrastructure_pid=started)
 
     async def kill_infrastructure(self, infrastructure_pid: str, configuration: Any, grace_seconds: int = 30) -> None:
         """Stop a run's work from its infrastructure id (Prefect's cancellation path), in either runtime.

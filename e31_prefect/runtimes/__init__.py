@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from e31_prefect.dirs import DATA_DIR_VARIABLE, OUTPUT_DIR_VARIABLE
 from e31_prefect.endings import Ending
 from e31_prefect.inventory import Device, visible_devices_env
-from e31_prefect.job import Job
+from e31_prefect.job import Job, Problem
 from e31_prefect.ledger import RunFolder, Spec
 from e31_prefect.results import result_environment
 from e31_prefect.shards import SHARDS_VARIABLE, ShardSettings
@@ -89,6 +89,9 @@ class Runtime(Protocol):
     async def start(self, placement: Placement, supervisor: Supervisor) -> None:
         """Once the supervisor runs: anything the work needs started for it (a container)."""
 
+    def ended(self) -> None:
+        """Once the work ended: anything to say of it (a container's ``exited`` event)."""
+
 
 def runtime_for(job: Job, worker: Any, configuration: Any) -> Runtime:
     """The run's runtime, chosen once: a container for a job with an image, else a local process."""
@@ -106,6 +109,36 @@ def runtime_for(job: Job, worker: Any, configuration: Any) -> Runtime:
 # (a job's Prefect keeps its own, in its workspace).
 WITHHELD_PREFECT = ("PREFECT_API_KEY", "PREFECT_API_AUTH_STRING", "PREFECT_API_URL", "PREFECT_SERVER_",
                     "PREFECT_API_DATABASE", "PREFECT_API_SERVICES", "PREFECT_HOME", "PREFECT_PROFILES_PATH")
+
+
+# What e31 itself sets for every run, after any environment a job variable gives: the rented devices, the
+# job's dirs, its shards and its ends of the supervisor's pipe and gateway.
+SET_FOR_THE_RUN = ("CUDA_DEVICE_ORDER", "CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", DATA_DIR_VARIABLE,
+                   OUTPUT_DIR_VARIABLE, SHARDS_VARIABLE, WORK_ENDED_VARIABLE, API_SOCKET_VARIABLE)
+
+
+def env_problems(env: dict[str, Any]) -> list[Problem]:
+    """Each variable of the ``env`` job variable that e31 would replace or withhold, refused by name:
+    a setting is never quietly ignored."""
+    problems = []
+    for name, value in env.items():
+        if name == "PREFECT_API_URL":
+            fix = ("e31 sets it: a job reaches its own flow run's Prefect calls through its run's gateway, "
+                   "with the worker's server and credentials; remove it")
+        elif name.startswith(WITHHELD_PREFECT):
+            if value is None:  # asked unset (as prefect-docker allows): e31 never passes it on anyway
+                continue
+            fix = ("a job never receives the worker's Prefect credentials, server settings or home; remove it "
+                   "(a job's Prefect keeps its own home in its workspace)")
+        elif name in SET_FOR_THE_RUN:
+            fix = "e31 sets it for each run (its rented devices, dirs and supervisor); remove it"
+        else:
+            continue
+        # A credential or database URL is not repeated in the run's state, where anyone may read it.
+        shown = "<hidden>" if name.startswith(WITHHELD_PREFECT) and name != "PREFECT_API_URL" else value
+        named = name if len(name) <= 80 else name[:77] + "..."  # a huge name does not swell the run's state
+        problems.append(Problem(f"env.{named}", shown, fix))
+    return problems
 
 
 def prefect_environment(env: dict[str, str | None]) -> dict[str, str]:

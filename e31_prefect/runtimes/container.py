@@ -14,6 +14,7 @@ import asyncio
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Literal
 
 import docker.types
@@ -28,6 +29,7 @@ from e31_prefect.runtimes import (
     DEFAULT_PIDS_LIMIT,
     WORK_ENDED_VARIABLE,
     Placement,
+    env_problems,
     job_environment,
     prefect_environment,
 )
@@ -53,9 +55,10 @@ DOCKER_SETTINGS = {
              "Set, it is refused.",
     "registry_credentials": "A DockerRegistryCredentials block: the worker logs in with it to pull a job's image.",
     "image_pull_policy": "For jobs with an image: when the worker pulls it (IfNotPresent for tagged images).",
-    "networks": "Docker networks job containers join (instead of the network mode).",
+    "networks": "Docker networks job containers join (instead of the network mode); not host.",
     "network_mode": "Network mode of job containers (default none: a job reaches only its own flow run's "
-                    "Prefect calls, through its gateway). Given one, a job reaches what that network does.",
+                    "Prefect calls, through its gateway). Given one, a job reaches what that network does; "
+                    "host and container:NAME are refused (the host's or another container's network).",
     "volumes": "Host folders mounted read-only into job containers (SOURCE:TARGET); each must lie under a folder "
                "the host allows (E31_ALLOWED_VOLUMES). Others are refused.",
     "stream_output": "Copy a job container's output into the run's output log (and `e31 run`'s console).",
@@ -68,12 +71,19 @@ DOCKER_SETTINGS = {
 }
 CREATE_OPTIONS = ("shm_size", "ipc_mode", "ulimits", "tmpfs")  # widen nothing the job should not see
 IPC_MODES = ("private", "shareable", "none")
+# How prefect-docker labels a run's container (Prefect's prefect.io/flow-run-id, in Docker's reversed form).
+RUN_LABEL = "io.prefect.flow-run-id"
+OWN_LABELS = ("prefect.io/", "io.prefect.", "e31.")  # the labels Prefect, prefect-docker and e31 set
+NETWORK_FIX = ("would put the job on the host's network or another container's (the host's loopback services, "
+               "the Prefect API around the run's gateway); a job reaches its own flow run's Prefect calls "
+               "through its gateway with no network: for more, give a Docker network (networks: [NAME] or "
+               "network_mode: bridge)")
 
 def setting_problems(settings: dict[str, Any], allowed_volumes: Sequence[Path]) -> list[Problem]:
     """Each prefect-docker setting of a run that an e31 pool refuses: its name, value, and the e31 way instead.
 
-    ``settings``: the run's values, those left at prefect-docker's defaults included (``command`` as
-    the deployment or run gave it, before Prefect fills in its own).
+    ``settings``: the run's values, those left at prefect-docker's defaults included (``command``, ``env``
+    and ``labels`` as the deployment or run gave them, before Prefect fills in its own).
     """
     problems = []
     refused = {
@@ -95,6 +105,14 @@ def setting_problems(settings: dict[str, Any], allowed_volumes: Sequence[Path]) 
         elif option == "ipc_mode" and value not in IPC_MODES:
             problems.append(Problem("container_create_kwargs.ipc_mode", value,
                                     "would share another's memory; use one of " + ", ".join(IPC_MODES)))
+    mode = settings.get("network_mode")
+    if isinstance(mode, str) and (mode == "host" or mode.startswith("container:")):
+        problems.append(Problem("network_mode", mode, NETWORK_FIX))
+    problems += [Problem("networks", name, NETWORK_FIX) for name in settings.get("networks") or () if name == "host"]
+    problems += env_problems(settings.get("env") or {})
+    problems += [Problem(f"labels.{key}", value, "Prefect and e31 label a run's container themselves (e31 finds, "
+                         "stops and removes a run's container by its run label); use a label of your own namespace")
+                 for key, value in (settings.get("labels") or {}).items() if str(key).startswith(OWN_LABELS)]
     for volume in settings.get("volumes") or []:
         if read_only_volume(volume, allowed_volumes) is None:
             allowed = ", ".join(map(str, allowed_volumes)) or "none on this host"
@@ -229,6 +247,29 @@ def give_output_dir(output_dir: Path, user: str) -> None:
         output_dir.chmod(0o777)
 
 
+class ContainerEvents:
+    """prefect-docker's ``prefect.docker.container.<status>`` events of one container: created, then each
+    new status, each following the last. prefect-docker's own code emits them, so their resource (the
+    container) and related resources (flow run, deployment, flow, work pool, worker) are DockerWorker's."""
+
+    def __init__(self, worker: DockerWorker, configuration: Any, container: Any, created: Any):
+        self.worker = worker
+        self.configuration = configuration
+        self.id, self.name = container.id, container.name
+        self.seen = {container.status}
+        self.last = created
+
+    def status(self, status: str) -> None:
+        """Emit the container's ``status`` (running, exited ...) the first time it is seen."""
+        if status in self.seen:
+            return
+        self.seen.add(status)
+        # The supervisor may have removed the container by now: the event needs only its id, name and status.
+        snapshot = SimpleNamespace(id=self.id, name=self.name, status=status)
+        self.last = self.worker._emit_container_status_change_event(snapshot, self.configuration,
+                                                                    last_event=self.last)
+
+
 class ContainerRuntime:
     """A run as a container on this host's Docker engine, created through prefect-docker."""
 
@@ -239,6 +280,7 @@ class ContainerRuntime:
         self.worker = worker
         self.configuration = configuration
         self.send_gpus = False
+        self.events: ContainerEvents | None = None
 
     async def check(self) -> str | None:
         try:
@@ -258,7 +300,7 @@ class ContainerRuntime:
             client.close()
 
     def spec(self, placement: Placement) -> Spec:
-        label = f"prefect.io/flow-run-id={placement.run_id}"  # prefect-docker labels the run's container so
+        label = f"{RUN_LABEL}={placement.run_id}"  # prefect-docker labels the run's container so
         return placement.spec(self.name, container_label=label,
                               container_logs=bool(placement.configuration.stream_output))
 
@@ -271,8 +313,19 @@ class ContainerRuntime:
                            placement.settings.container_user)
         give_output_dir(placement.output_dir, placement.settings.container_user)
         try:
-            container, _ = await asyncio.to_thread(self.worker._create_and_start_container, prepared)
+            container, created = await asyncio.to_thread(self.worker._create_and_start_container, prepared)
         except BaseException:
             await supervisor.name_container(None)
             raise
         await supervisor.name_container(container.id)
+        self.events = ContainerEvents(self.worker, prepared, container, created)
+        try:
+            await asyncio.to_thread(container.reload)
+        except Exception:  # gone already (the supervisor removes it once it exits): ended() says so
+            return
+        self.events.status(container.status)
+
+    def ended(self) -> None:
+        """The work ended (the supervisor saw the container exit, and removed it): its ``exited`` event."""
+        if self.events is not None:
+            self.events.status("exited")

@@ -75,6 +75,9 @@ class ProcessRuntime:
     async def start(self, placement: Placement, supervisor: Supervisor) -> None:
         return None  # the supervisor starts the process itself
 
+    def ended(self) -> None:
+        return None  # Prefect's own events say how the flow run ended
+
 
 def needed_paths(configuration: Any) -> list[Path]:
     """What a job's process reads besides its workspace: Python (its environment and its base), Prefect,

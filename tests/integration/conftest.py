@@ -74,10 +74,10 @@ def database_url(database: str) -> dict[str, str]:
 
 @pytest.fixture
 def jobs(tmp_path: Path) -> Path:
-    """A private copy of the example jobs' folder, so outputs land in the test's own tmp dir."""
-    target = tmp_path / "jobs"
-    shutil.copytree(EXAMPLES, target, ignore=shutil.ignore_patterns("outputs", "__pycache__"))
-    return target
+    """A private copy of the example jobs' folder (in a copy of deployments/: some data sits beside it), so
+    outputs land in the test's own tmp dir."""
+    shutil.copytree(EXAMPLES.parent, tmp_path / "deployments", ignore=shutil.ignore_patterns("outputs", "__pycache__"))
+    return tmp_path / "deployments" / "jobs"
 
 
 @pytest.fixture

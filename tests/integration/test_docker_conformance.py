@@ -53,13 +53,14 @@ def probe(sleep: float = 0):
 """
 
 KINDS = ["docker", "e31"]
+RUN_LABEL = "io.prefect.flow-run-id"  # prefect-docker's label of a run's container (Prefect's prefect.io/flow-run-id)
 
 
 class Contender:
     """One worker type's pool, deployment and runs, in a folder of its own."""
 
     def __init__(self, kind: str, folder: Path, pool: str, image: str, variables: dict[str, Any],
-                 pool_defaults: dict[str, Any] | None = None):
+                 pool_defaults: dict[str, Any] | None = None, deployment_name: str | None = None):
         self.kind, self.folder, self.pool = kind, folder, f"{pool}-{kind}"
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "probe.py").write_text(PROBE)
@@ -79,14 +80,15 @@ class Contender:
             client.create_work_pool(WorkPoolCreate(name=self.pool, type=kind, base_job_template=template),
                                     overwrite=True)
             self.deployment = client.create_deployment(
-                flow_id=client.create_flow_from_name("probe"), name=self.pool, work_pool_name=self.pool,
+                flow_id=client.create_flow_from_name("probe"), name=deployment_name or self.pool,
+                work_pool_name=self.pool,
                 entrypoint="probe.py:probe", path=str(folder),
                 pull_steps=[{"prefect.deployments.steps.set_working_directory": {"directory": str(folder)}}],
                 job_variables=variables)
 
-    def submit(self, **parameters: Any) -> UUID:
+    def submit(self, name: str | None = None, **parameters: Any) -> UUID:
         with get_client(sync_client=True) as client:
-            return client.create_flow_run_from_deployment(self.deployment, parameters=parameters).id
+            return client.create_flow_run_from_deployment(self.deployment, parameters=parameters, name=name).id
 
     def worker(self, *extra: str, **env: str) -> subprocess.Popen:
         log = (self.folder / f"worker-{time.monotonic_ns()}.log").open("wb")
@@ -96,8 +98,8 @@ class Contender:
             env={**os.environ, "E31_HOME": str(self.folder / "e31"), "PREFECT_WORKER_QUERY_SECONDS": "1", **env},
             stdout=log, stderr=subprocess.STDOUT)
 
-    def run_once(self, **env: str) -> UUID:
-        run_id = self.submit()
+    def run_once(self, name: str | None = None, **env: str) -> UUID:
+        run_id = self.submit(name)
         worker = self.worker("--run-once", **env)
         assert worker.wait(timeout=240) == 0
         return run_id
@@ -147,7 +149,7 @@ def test_settings_e31_refuses_by_name_before_renting(kind, prefect_server, job_i
         seen = contender.seen()
         assert seen["memory_limit"] in ("314572800", str(300 * 2**20))
         assert seen["cap_eff"] != "0000000000000000"
-        listed = subprocess.run(["docker", "ps", "-aq", "--filter", f"label=prefect.io/flow-run-id={run_id}"],
+        listed = subprocess.run(["docker", "ps", "-aq", "--filter", f"label={RUN_LABEL}={run_id}"],
                                 capture_output=True, text=True, check=True)
         assert listed.stdout.split() == [], "auto_remove removed the container"
         return
@@ -172,6 +174,10 @@ def test_kill_infrastructure_stops_the_work_from_the_id_the_worker_reported(
             time.sleep(0.5)
         infrastructure = read_run(run_id).infrastructure_pid
         assert infrastructure and read_run(run_id).state.is_running()
+        # Both workers' containers carry prefect-docker's run label (e31 finds a run's container by it).
+        running = subprocess.run(["docker", "ps", "-q", "--filter", f"label={RUN_LABEL}={run_id}"],
+                                 capture_output=True, text=True, check=True)
+        assert len(running.stdout.split()) == 1, running.stdout
 
         from prefect.workers.base import BaseWorker
 
@@ -189,7 +195,7 @@ def test_kill_infrastructure_stops_the_work_from_the_id_the_worker_reported(
         worker.wait(timeout=60)
     state = read_run(run_id).state
     assert state.is_final(), state
-    listed = subprocess.run(["docker", "ps", "-q", "--filter", f"label=prefect.io/flow-run-id={run_id}"],
+    listed = subprocess.run(["docker", "ps", "-q", "--filter", f"label={RUN_LABEL}={run_id}"],
                             capture_output=True, text=True, check=True)
     assert listed.stdout.split() == [], "the container still runs"
     if kind == "e31":
@@ -254,3 +260,167 @@ def test_with_limit_one_the_high_priority_queue_goes_first_and_the_other_run_sta
     assert worker.wait(timeout=240) == 0
     assert read_run(urgent).state.is_completed(), read_run(urgent).state
     assert read_run(late).state.is_scheduled(), read_run(late).state  # still the pool's, for the next worker
+
+
+def container_events(run_id: UUID, expect: set[str], timeout: float = 60) -> list[Any]:
+    """prefect-docker's container events related to a flow run, oldest first, once all of ``expect`` arrived."""
+    from prefect.events.filters import EventFilter, EventNameFilter, EventRelatedFilter
+
+    found: list[Any] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with get_client(sync_client=True) as client:
+            page = client.read_events(filter=EventFilter(
+                event=EventNameFilter(prefix=["prefect.docker.container."]),
+                related=EventRelatedFilter(id=[f"prefect.flow-run.{run_id}"])), limit=50)
+        found = sorted(page.events, key=lambda event: event.occurred)
+        if expect <= {event.event.rsplit(".", 1)[1] for event in found}:
+            return found
+        time.sleep(1)
+    raise AssertionError(f"container events {sorted(expect)} never all arrived; got {[e.event for e in found]}")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_container_events_created_running_exited_about_the_container_and_its_run(
+        kind, prefect_server, job_image, tmp_path, pool):
+    """Automations wait on `prefect.docker.container.exited`: both workers emit created, running, exited."""
+    contender = Contender(kind, tmp_path / kind, pool, job_image, {})
+    run_id = contender.run_once()
+    assert read_run(run_id).state.is_completed(), read_run(run_id).state
+    events = container_events(run_id, {"created", "running", "exited"})
+    assert [event.event for event in events] == [f"prefect.docker.container.{status}"
+                                                 for status in ("created", "running", "exited")]
+    # One container, each event following the last, related to the run, its deployment, flow, pool and worker.
+    assert len({event.resource.id for event in events}) == 1
+    assert events[0].resource.id.startswith("prefect.docker.container.")
+    assert events[0].resource.get("prefect.resource.name")
+    assert [event.follows for event in events[1:]] == [event.id for event in events[:-1]]
+    for event in events:
+        related = {resource.role: resource.id for resource in event.related}
+        assert related["flow-run"] == f"prefect.flow-run.{run_id}"
+        assert related["deployment"] == f"prefect.deployment.{contender.deployment}"
+        assert {"flow", "work-pool", "worker"} <= set(related)
+        assert related["worker"].startswith(f"prefect.worker.{kind}.")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_docker_error_reaches_the_runs_state_and_message(kind, prefect_server, job_image, tmp_path, pool):
+    """The engine's own error, not only the log: Crashed with it (stock), or NotStarted quoting it (e31)."""
+    missing = "e31-conformance/never-built:1"
+    contender = Contender(kind, tmp_path / kind, pool, job_image, {"image": missing, "image_pull_policy": "Never"})
+    run_id = contender.run_once()
+    state = read_run(run_id).state
+    assert state.name == {"docker": "Crashed", "e31": "NotStarted"}[kind], state
+    assert f"No such image: {missing}" in state.message
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_settings_e31_would_override_are_refused_by_name_not_replaced(kind, prefect_server, job_image, tmp_path,
+                                                                      pool):
+    """An explicit API URL, device list, host network or run label is honoured by the stock worker; e31 sets
+    its own for isolation, so it refuses each by name before renting instead of replacing it without a word."""
+    api = os.environ["PREFECT_API_URL"]
+    contender = Contender(kind, tmp_path / kind, pool, job_image, {
+        "network_mode": "host", "env": {"PREFECT_API_URL": api, "CUDA_VISIBLE_DEVICES": "0,1,2,3",
+                                        "CONFORMANCE": "kept"},
+        "labels": {"prefect.io/flow-run-id": "another-run", "team": "vision"}})
+    run_id = contender.run_once()
+    state = read_run(run_id).state
+    if kind == "docker":
+        assert state.is_completed(), state
+        assert contender.seen()["env"] == "kept"
+        return
+    assert state.name == "InvalidJob", state
+    for named in (f"env.PREFECT_API_URL = '{api}': e31 sets it", "env.CUDA_VISIBLE_DEVICES = '0,1,2,3': e31 sets it",
+                  "network_mode = 'host': would put the job on the host's network",
+                  "labels.prefect.io/flow-run-id = 'another-run': Prefect and e31 label a run's container"):
+        assert named in state.message, state.message
+    assert "CONFORMANCE" not in state.message and "vision" not in state.message  # the team's own are the team's
+    assert "e31:billed-s=0" in read_run(run_id).tags
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_any_deployment_and_flow_run_name_prefect_accepts_runs(kind, prefect_server, job_image, tmp_path, pool):
+    contender = Contender(kind, tmp_path / kind, pool, job_image, {}, deployment_name="My Deployment 1")
+    run_id = contender.run_once(name="nightly run / ../ #1 ünï")
+    assert read_run(run_id).state.is_completed(), read_run(run_id).state
+    assert read_run(run_id).name == "nightly run / ../ #1 ünï"
+
+
+def worker_of(kind: str, contender: Contender) -> Any:
+    """The worker class of ``kind`` for the contender's pool, in this process."""
+    from prefect.workers.base import BaseWorker
+
+    from e31_prefect.settings import E31Settings
+
+    extra = {"settings": E31Settings(home=contender.folder / "e31")} if kind == "e31" else {}
+    return BaseWorker.get_worker_class_from_type(kind)(work_pool_name=contender.pool, **extra)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_run_still_being_submitted_is_listed_again_and_not_submitted_twice(
+        kind, prefect_server, job_image, tmp_path, pool):
+    contender = Contender(kind, tmp_path / kind, pool, job_image, {})
+    run_id = contender.submit()
+
+    async def poll_while_submitting() -> list[UUID]:
+        async with worker_of(kind, contender) as worker:
+            await worker.sync_with_backend()
+            worker._submitting_flow_run_ids.add(run_id)  # as while its first submission is under way
+            try:
+                return [run.id for run in await worker.get_and_submit_flow_runs()]
+            finally:
+                worker._submitting_flow_run_ids.discard(run_id)
+
+    assert asyncio.run(poll_while_submitting()) == [run_id]
+    assert read_run(run_id).state.is_scheduled(), read_run(run_id).state  # this poll submitted nothing
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_initiate_run_returns_once_started_and_the_run_lives_on(kind, prefect_server, job_image, tmp_path, pool):
+    """Prefect's `_initiate_run` (its non-blocking submission): on e31 the run lives e31's whole life."""
+    contender = Contender(kind, tmp_path / kind, pool, job_image, {})
+    run_id = contender.submit(sleep=3)
+
+    async def initiate() -> None:
+        async with worker_of(kind, contender) as worker:
+            await worker.sync_with_backend()
+            flow_run = await worker.client.read_flow_run(run_id)
+            configuration = await worker.job_configuration.resolve_for_flow_run(
+                flow_run, client=worker.client, work_pool=worker.work_pool, worker_name=worker.name)
+            await worker._initiate_run(flow_run, configuration)
+            assert not (await worker.client.read_flow_run(run_id)).state.is_final()  # it returned at the start
+            deadline = time.monotonic() + 180
+            while time.monotonic() < deadline and not (await worker.client.read_flow_run(run_id)).state.is_final():
+                await asyncio.sleep(0.5)
+
+    asyncio.run(initiate())
+    run = read_run(run_id)
+    assert run.state.is_completed(), run.state
+    if kind == "e31":
+        assert any(tag.startswith("e31:billed-s=") for tag in run.tags), run.tags  # metered and released
+        assert (contender.folder / "out" / "seen.json").exists()  # its outputs sent
+
+
+def test_a_container_left_by_a_dead_supervisor_is_found_by_prefect_dockers_run_label(job_image, tmp_path):
+    """prefect-docker labels a run's container io.prefect.flow-run-id: what e31 looks for when a run's
+    supervisor died and its container must go (a label that never matches leaves it running unbounded)."""
+    from uuid import uuid4
+
+    from e31_prefect.ledger import Holding, Ledger
+    from e31_prefect.life import _stop_leftovers
+
+    run_id = str(uuid4())
+    subprocess.run(["docker", "run", "-d", "--network", "none", "--label", f"{RUN_LABEL}={run_id}", job_image,
+                    "sleep", "600"], check=True, capture_output=True)
+    folder = Ledger(tmp_path / "ledger").folder(run_id)
+    folder.write_holding(Holding(flow_run_id=run_id, worker_pid=1, worker_started="0", job_name="left",
+                                 devices=[], workspace=str(tmp_path / "workspace"), runtime="container"))
+    try:
+        _stop_leftovers(folder)
+        listed = subprocess.run(["docker", "ps", "-aq", "--filter", f"label={RUN_LABEL}={run_id}"],
+                                capture_output=True, text=True, check=True)
+        assert listed.stdout.split() == [], "the container a dead supervisor left still runs"
+    finally:
+        subprocess.run(f"docker ps -aq --filter label={RUN_LABEL}={run_id} | xargs -r docker rm -f", shell=True,
+                       capture_output=True)

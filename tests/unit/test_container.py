@@ -6,6 +6,7 @@ No engine is needed: these check the request that would be sent (a GPU cannot ex
 from __future__ import annotations
 
 from pathlib import Path
+from uuid import uuid4
 
 from prefect_docker.worker import DockerWorkerJobConfiguration
 
@@ -119,6 +120,51 @@ def test_each_refused_docker_setting_is_named_with_the_e31_way_instead(tmp_path:
     assert "E31_ALLOWED_VOLUMES" in problems["volumes"]
 
 
+def test_what_e31_would_replace_or_withhold_is_refused_by_name_not_ignored(tmp_path: Path):
+    settings = {"network_mode": "host", "networks": ["host", "lab"],
+                "env": {"PREFECT_API_URL": "http://10.0.0.5:4200/api", "PREFECT_API_KEY": "pnu_secret",
+                        "PREFECT_SERVER_DATABASE_CONNECTION_URL": "postgresql://u:pw@db/p",
+                        "CUDA_VISIBLE_DEVICES": "0,1,2,3", "E31_OUTPUT_DIR": "/etc", "SEED": "7", "HOME": "/h"}}
+    problems = [str(p) for p in container.setting_problems(settings, [tmp_path])]
+    assert problems[:2] == [f"network_mode = 'host': {container.NETWORK_FIX}",
+                            f"networks = 'host': {container.NETWORK_FIX}"]
+    text = "\n".join(problems)
+    assert "env.PREFECT_API_URL = 'http://10.0.0.5:4200/api': e31 sets it" in text
+    assert "env.CUDA_VISIBLE_DEVICES = '0,1,2,3': e31 sets it for each run" in text
+    assert "env.E31_OUTPUT_DIR = '/etc': e31 sets it for each run" in text
+    assert "env.PREFECT_API_KEY = '<hidden>': a job never receives the worker's Prefect credentials" in text
+    assert "env.PREFECT_SERVER_DATABASE_CONNECTION_URL = '<hidden>'" in text
+    assert "pnu_secret" not in text and "pw@db" not in text  # a state message is no place for a secret
+    assert len(problems) == 7  # the job's own SEED and HOME, and a named network, are the job's
+    assert container.setting_problems({"network_mode": "container:other-job"}, [])[0].field == "network_mode"
+    labelled = container.setting_problems({"labels": {"prefect.io/flow-run-id": "another-run", "team": "vision",
+                                                      "io.prefect.version": "0", "e31.job": "x"}}, [])
+    assert [p.field for p in labelled] == ["labels.prefect.io/flow-run-id", "labels.io.prefect.version",
+                                           "labels.e31.job"]  # a label of the team's own is the team's
+    # Unsetting what e31 never passes on (prefect-docker's way: a None value) asks for what e31 does anyway.
+    assert container.setting_problems({"env": {"PREFECT_API_KEY": None, "PREFECT_HOME": None}}, []) == []
+    [huge] = container.setting_problems({"env": {"PREFECT_SERVER_" + "X" * 100_000: "v" * 100_000}}, [])
+    assert len(str(huge)) < 400  # a hostile name or value does not swell the run's state
+    for fine in ("none", "bridge", "lab-net"):
+        assert container.setting_problems({"network_mode": fine}, []) == []
+
+
+def test_a_runs_own_prefect_environment_is_not_taken_for_a_setting(tmp_path: Path):
+    """The worker's API URL and the run's id, which Prefect adds to every run's env, are not the user's."""
+    from prefect.client.schemas.objects import FlowRun
+
+    from e31_prefect.worker import E31JobConfiguration
+
+    configuration = E31JobConfiguration(env={"SEED": "7"}, labels={"team": "vision"}, request={"max_duration": "1h"})
+    configuration.prepare_for_flow_run(FlowRun(flow_id=uuid4(), name="my run"))
+    assert "PREFECT_API_URL" in configuration.env and "PREFECT__FLOW_RUN_ID" in configuration.env
+    assert "io.prefect.flow-run-id" in configuration.labels
+    assert configuration.setting_problems([]) == []
+    given = E31JobConfiguration(env={"PREFECT_API_URL": "http://elsewhere/api"}, request={"max_duration": "1h"})
+    given.prepare_for_flow_run(FlowRun(flow_id=uuid4(), name="my run"))
+    assert [p.field for p in given.setting_problems([])] == ["env.PREFECT_API_URL"]
+
+
 def test_defaults_and_passed_on_settings_are_not_problems(tmp_path: Path):
     (tmp_path / "datasets").mkdir()
     settings = {"command": None, "image": None, "mem_limit": None, "privileged": False, "auto_remove": False,
@@ -144,4 +190,6 @@ def test_the_pool_form_describes_every_docker_setting_as_it_works_on_e31():
     for name in container.DOCKER_SETTINGS:
         assert form[name]["description"] == container.DOCKER_SETTINGS[name]
     assert "Refused" in form["command"]["description"]
+    assert "Refused: PREFECT_API_URL" in form["env"]["description"]
+    assert "CUDA_VISIBLE_DEVICES" in form["env"]["description"]
     assert E31Variables.model_fields["image"].default is None

@@ -58,6 +58,17 @@ def test_flow_names_become_job_names():
     assert job_name("***") == "flow"
 
 
+def test_any_name_prefect_accepts_becomes_a_valid_job_name_and_a_valid_one_is_kept():
+    from e31_prefect.job import parse_job
+
+    for name in ("My Deployment 1", "nightly run / ../ #1 ünï", "x" * 300, "-lead", "../..", "a\nb"):
+        made = job_name(name)
+        parse_job({"name": made, "work": {"command": ["true"]}, "request": {"max_duration": "1m"}})
+    assert job_name("My Deployment 1") == "My-Deployment-1"
+    for valid in ("retrain-tonight", "train-", "v1.2_x"):
+        assert job_name(valid) == valid
+
+
 def test_a_start_time_is_refused_since_a_called_flow_starts_now():
     with pytest.raises(JobError) as raised:
         e31(work_pool="gpu", gpus=1, max_duration="1h", start="22:00")

@@ -105,6 +105,7 @@ class FakeWorker:
     name = "fake-worker"
     _work_pool_name = "gpu"
     _only_flow_run_ids = None
+    at_keyboard = False
 
     def __init__(self, tmp_path: Path, gpus: int = 2, quota: str = "free"):
         self.settings = E31Settings(home=tmp_path / "e31", device_locks=tmp_path / "locks", stop_grace_seconds=1,
@@ -180,6 +181,9 @@ class CommandRuntime:
                               cwd=str(placement.workspace))
 
     async def start(self, placement: Placement, supervisor: Any) -> None:
+        return None
+
+    def ended(self) -> None:
         return None
 
 

@@ -1,6 +1,7 @@
 """Regenerate the example jobs' shipped data: python deployments/jobs/data/make_data.py
 
-- train.csv and batch.csv: two features and a label from a known noisy linear rule;
+- train.csv (in deployments/data/, beside the jobs' folder) and batch.csv: two features and a label from a
+  known noisy linear rule;
 - model.json: a logistic model trained on train.csv (the inference example's model file);
 - frames/: 24 grey 64x48 PGM frames of a bright square moving over a noisy background.
 Deterministic (fixed seeds), so the committed files are what this script writes.
@@ -55,7 +56,7 @@ def frames(count: int = 24, width: int = 64, height: int = 48) -> None:
 
 if __name__ == "__main__":
     train_rows = rows(2000, seed=7)
-    write_csv(HERE / "train.csv", train_rows)
+    write_csv(HERE.parents[1] / "data" / "train.csv", train_rows)
     write_csv(HERE / "batch.csv", rows(500, seed=8))
     (HERE / "model.json").write_text(json.dumps(train(train_rows), indent=2) + "\n")
     frames()
