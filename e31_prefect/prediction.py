@@ -24,6 +24,7 @@ from datetime import timedelta
 QUANTILE = 0.9  # high enough that a run rarely outlives its plan, low enough to ignore an odd slow run
 MIN_RUNS = 3  # fewer completed runs say too little: plan by the limit
 ABSURD = timedelta(days=366).total_seconds()  # no run lasts longer than the longest limit a job may set
+FLOOR = timedelta(seconds=1)  # a plan of a few microseconds (or 0, at timedelta's resolution) plans nothing
 RUN_SECONDS_TAG = "e31:run-s="  # the worker's meter of the work's own time (meter.tags)
 
 
@@ -51,6 +52,7 @@ class Prediction:
         """What the prediction stands on, for a user: "your last 20 runs took 12-14 min of a 2 h limit".
         ``history`` is how many usable times there were (told when too few to learn from)."""
         limit = f"{human(self.limit)} limit" if self.limit is not None else "no time limit"
+        article = "" if self.limit is None else "an " if limit[0] == "8" or limit.startswith(("11 ", "18 ")) else "a "
         if not self.learned:
             if self.limit is None:
                 return "no time limit and too little history: its length is unknown"
@@ -59,7 +61,7 @@ class Prediction:
         assert self.low is not None and self.high is not None and self.duration is not None
         took = human(self.low) if _same(self.low, self.high) else _span(self.low, self.high)
         capped = " (capped by the limit)" if self.limit is not None and self.duration >= self.limit else ""
-        return (f"your last {self.runs} runs took {took} of a{'n' if limit[0] in 'aeiou8' else ''} {limit}; "
+        return (f"your last {self.runs} runs took {took} of {article}{limit}; "
                 f"planned as {human(self.duration)}{capped}")
 
 
@@ -88,7 +90,7 @@ def predict(history: Iterable[object], limit: timedelta | None, *, q: float = QU
     times = usable(history)
     if len(times) < max(1, min_runs):
         return Prediction(limit, limit)
-    learned = timedelta(seconds=quantile(times, q))
+    learned = max(FLOOR, timedelta(seconds=quantile(times, q)))
     duration = learned if limit is None or limit <= timedelta(0) else min(learned, limit)
     return Prediction(duration, limit, len(times), timedelta(seconds=min(times)), timedelta(seconds=max(times)))
 

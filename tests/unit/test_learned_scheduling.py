@@ -31,15 +31,6 @@ def test_a_run_planned_by_its_prediction_backfills_where_its_limit_would_not():
     assert [r.id for r, _ in decide([big, learned], FOUR[2:], NOW, busy).start] == ["small"]
 
 
-def test_a_run_past_its_prediction_is_planned_to_end_any_moment_not_at_its_limit():
-    # The worker hands in a device busy until the run's predicted end, which has passed: it is not free now,
-    # and the waiting run is promised the next moment rather than the overrunning run's limit.
-    overrunning = Busy(FOUR[0], NOW - minutes(2))
-    one = WaitingRun("one", 1, None, NOW, latest_start=NOW + minutes(60), duration=minutes(10))
-    decision = decide([one], [], NOW, [overrunning])
-    assert decision.start == [] and decision.reserved == {"one": NOW + timedelta(seconds=1)}
-
-
 def test_a_reservation_a_misprediction_delayed_is_met_first():
     # "late" was promised 21:50 (a run predicted to end then overran); since, "urgent" came with less slack.
     late = WaitingRun("late", 1, None, NOW - minutes(30), latest_start=NOW + minutes(120), duration=minutes(30))
