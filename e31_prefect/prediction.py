@@ -60,9 +60,8 @@ class Prediction:
             return f"planned by its {limit} ({seen}; {MIN_RUNS} needed to learn from)"
         assert self.low is not None and self.high is not None and self.duration is not None
         took = human(self.low) if _same(self.low, self.high) else _span(self.low, self.high)
-        capped = " (capped by the limit)" if self.limit is not None and self.duration >= self.limit else ""
-        return (f"your last {self.runs} runs took {took} of {article}{limit}; "
-                f"planned as {human(self.duration)}{capped}")
+        capped = "; planned as the limit" if self.limit is not None and self.duration >= self.limit else ""
+        return f"your last {self.runs} runs took {took} of {article}{limit}{capped}"
 
 
 def usable(seconds: Iterable[object]) -> list[float]:

@@ -53,6 +53,7 @@ class RunHistory:
         self.clock = clock
         # deployment -> (when read, [(team, seconds)] newest first)
         self._kept: dict[UUID, tuple[float, list[tuple[str | None, float]]]] = {}
+        self._versions: dict[UUID, int] = {}  # deployment -> the generation its record last changed in
         self.generation = 0
         self._background: asyncio.Task | None = None
 
@@ -64,14 +65,14 @@ class RunHistory:
 
     def version(self, deployment_id: UUID | None) -> Any:
         """What a prediction for ``deployment_id`` stands on: equal while its record is unchanged."""
-        kept = self._kept.get(deployment_id) if deployment_id is not None else None
-        return None if kept is None else tuple(kept[1])
+        return self._versions.get(deployment_id) if deployment_id is not None else None
 
     def keep(self, deployment_id: UUID, record: list[tuple[str | None, float]]) -> None:
         """Take in a deployment's record (team and work seconds of its runs, newest first)."""
         old = self._kept.get(deployment_id)
         if old is None or old[1] != record:
             self.generation += 1
+            self._versions[deployment_id] = self.generation
         self._kept[deployment_id] = (self.clock(), record)
 
     def times(self, deployment_id: UUID | None, team: str | None) -> list[float]:

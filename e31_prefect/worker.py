@@ -567,7 +567,7 @@ class E31Worker(DockerWorker):
             return (priorities, {key: d.updated if d else None for key, d in deployments.items()}, template,
                     self.history.generation)
 
-        await self.history.update(self.client, (response.flow_run.deployment_id for response in responses))
+        await self.history.update(self.client, self._deployments)  # a few ids: the last poll's runs' deployments
         last = self._last_waiting
         if last is not None and last[0] is responses and last[1] == around():
             return last[2]
@@ -577,6 +577,7 @@ class E31Worker(DockerWorker):
         deployments.update(await self._read_deployments(
             {run.deployment_id for run in flow_runs if run.deployment_id and run.deployment_id not in deployments}))
         self._deployments = {run.deployment_id for run in flow_runs if run.deployment_id}
+        await self.history.update(self.client, self._deployments)  # a new deployment's record, before its runs' plan
         for flow_run in flow_runs:
             deployment = deployments.get(flow_run.deployment_id) if flow_run.deployment_id else None
             queue_priority = priorities.get(flow_run.work_queue_id, LOWEST_QUEUE_PRIORITY)

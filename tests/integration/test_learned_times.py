@@ -45,7 +45,7 @@ def test_after_three_runs_submit_and_queue_plan_by_what_they_took_not_the_four_h
 
     assert submitted.returncode == 0, submitted.stderr
     planned = next(line for line in submitted.stdout.splitlines() if line.startswith("  planned for "))
-    assert "your last 3 runs took " in planned and " of a 4 h limit; planned as " in planned, submitted.stdout
+    assert "your last 3 runs took " in planned and " of a 4 h limit" in planned, submitted.stdout
     assert "  planned start: " in submitted.stdout and "behind 0 run(s) on 1 live worker(s)" in submitted.stdout
     shown = cli("e31", "queue", "--pool", pool)
     assert shown.returncode == 0, shown.stdout + shown.stderr

@@ -37,7 +37,7 @@ def test_twenty_runs_of_twelve_to_fourteen_minutes_plan_fourteen_not_the_two_hou
     prediction = predict(history, TWO_HOURS)
     assert prediction.learned and prediction.runs == 20
     assert timedelta(minutes=13) < prediction.duration < timedelta(minutes=14)
-    assert prediction.basis() == "your last 20 runs took 12-14 min of a 2 h limit; planned as 14 min"
+    assert prediction.basis() == "your last 20 runs took 12-14 min of a 2 h limit"
 
 
 def test_too_little_history_plans_by_the_limit_and_says_so():
@@ -53,13 +53,13 @@ def test_no_limit_and_no_history_is_unknown_and_history_alone_plans_a_run_withou
     assert predict([], None).duration is None
     assert "unknown" in predict([], None).basis()
     assert predict([10 * MIN] * 5, None).duration == timedelta(minutes=10)
-    assert predict([10 * MIN] * 5, None).basis().endswith("of no time limit; planned as 10 min")
+    assert predict([10 * MIN] * 5, None).basis().endswith("took 10 min of no time limit")
 
 
 def test_runs_longer_than_the_limit_never_plan_past_it():
     prediction = predict([3 * 3600.0] * 10, TWO_HOURS)  # the limit was raised, then lowered again
     assert prediction.duration == TWO_HOURS
-    assert prediction.basis().endswith("planned as 2 h (capped by the limit)")
+    assert prediction.basis().endswith("took 3 h of a 2 h limit; planned as the limit")
 
 
 @pytest.mark.parametrize("junk", [0, 0.0, -5, -1e300, math.nan, math.inf, -math.inf, ABSURD * 2, 1e308,
