@@ -130,3 +130,21 @@ def test_the_plan_is_written_only_when_it_changed_and_at_most_every_interval():
 
     asyncio.run(scenario())
     assert written == [[{"run": "a"}], [{"run": "b"}]]
+
+
+def test_a_workers_busy_device_comes_back_at_its_runs_predicted_end_unless_its_limit_is_sooner(tmp_path):
+    from uuid import uuid4
+
+    from e31_prefect.settings import E31Settings
+    from e31_prefect.worker import E31Worker
+
+    worker = E31Worker(work_pool_name="gpu", settings=E31Settings(gpus="2xH100", home=tmp_path / "home",
+                                                                  device_locks=tmp_path / "locks"))
+    learned, plain, odd = uuid4(), uuid4(), uuid4()
+    worker.holds_until.update({learned: NOW + TWO_HOURS, plain: NOW + TWO_HOURS, odd: NOW + timedelta(minutes=5)})
+    worker.predicted_until.update({learned: NOW + timedelta(minutes=14), odd: NOW + timedelta(minutes=14)})
+    assert worker.planned_end(learned) == NOW + timedelta(minutes=14)
+    assert worker.planned_end(plain) == NOW + TWO_HOURS
+    assert worker.planned_end(odd) == NOW + timedelta(minutes=5)  # its limit (or its deadline) stops it first
+    worker.return_devices(learned)
+    assert worker.planned_end(learned) is None and learned not in worker.predicted_until
