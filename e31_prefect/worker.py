@@ -274,6 +274,10 @@ class E31Worker(DockerWorker):
         # When each run started here is predicted to end (its deployment's past runs), if before its limit:
         # backfill plans with it; a run that outlives it is not stopped, the next poll plans around it.
         self.predicted_until: dict[UUID, datetime] = {}
+        self.predicted_length: dict[UUID, timedelta] = {}  # counted again from the rent (staging came between)
+        # The latest start a poll judged a run by when it took it on a predicted length: the run's admission
+        # judges it the same way (by its limit, it may be past already).
+        self.admitted_latest: dict[UUID, datetime] = {}
         # Recent work times of the waiting runs' deployments (the Prefect server's record), and the last
         # decision's reservations: a run a misprediction kept waiting past its promise is placed first.
         self.history = RunHistory(self.settings.history_runs, self.settings.history_refresh_seconds)
@@ -462,6 +466,9 @@ class E31Worker(DockerWorker):
                     self.holds_until[run.id] = now + run.duration
                     if run.limit is not None:  # planned by a prediction: the limit still stops it
                         self.predicted_until[run.id] = now + run.duration
+                        self.predicted_length[run.id] = run.duration
+                        if run.latest_start is not None:
+                            self.admitted_latest[run.id] = run.latest_start
         if self._serving and (changed or decision.start) and self.plan_writer.due():
             self.plan_writer.start(functools.partial(self._pool_plan, waiting, responses))
         submitted = {run.id for run in await self._submit_scheduled_flow_runs(flow_run_response=chosen)}
@@ -486,6 +493,11 @@ class E31Worker(DockerWorker):
         """When a run holding devices here is planned to let them go: its predicted end if sooner, else its limit."""
         limit, predicted = self.holds_until.get(run_id), self.predicted_until.get(run_id)
         return predicted if predicted is not None and (limit is None or predicted < limit) else limit
+
+    def rented(self, run_id: UUID, at: datetime) -> None:
+        """The run's devices are rented at ``at``: its predicted end counts from there, as its limit does."""
+        if run_id in self.predicted_length:
+            self.predicted_until[run_id] = at + self.predicted_length[run_id]
 
     async def _pool_plan(self, waiting: dict[UUID, tuple[WaitingRun, str, str | None]],
                          responses: list[WorkerFlowRunResponse]) -> tuple[list[dict[str, str]], Any]:
@@ -720,6 +732,8 @@ class E31Worker(DockerWorker):
         self.inventory.give_back(flow_run_id)
         self.holds_until.pop(flow_run_id, None)
         self.predicted_until.pop(flow_run_id, None)
+        self.predicted_length.pop(flow_run_id, None)
+        self.admitted_latest.pop(flow_run_id, None)
 
     async def _submit_adhoc_run(self, flow: Any, parameters: dict[str, Any] | None = None,
                                 job_variables: dict[str, Any] | None = None,

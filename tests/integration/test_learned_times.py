@@ -62,3 +62,26 @@ def test_after_three_runs_submit_and_queue_plan_by_what_they_took_not_the_four_h
     [entry] = [row for row in rows if row.get("job") == "nightly"]
     assert entry["basis"].startswith("your last 3 runs took ") and entry["planned start"] != "never"
     assert entry["planned length"].endswith(" s")
+
+
+def test_a_run_past_its_limits_latest_start_but_not_its_predictions_runs_and_meets_its_deadline(
+        prefect_server, tmp_path: Path, pool):
+    # Three runs of "tight" (1 h limit, no deadline) teach the pool it takes seconds.
+    relaxed = mark_job(tmp_path / "relaxed", "tight", max_duration="1h")
+    for _ in range(3):
+        assert cli("e31", "submit", str(relaxed), "--pool", pool).returncode == 0
+    worker = cli("prefect", "worker", "start", "--pool", pool, "--type", "e31", "--run-once", gpus="3xH100", env=LIVE)
+    assert worker.returncode == 0, worker.stdout + worker.stderr
+    # The same job with a deadline an hour away: by its limit it must start at once, and a moment later it
+    # can no longer make it; by what its runs take it has nearly an hour.
+    tight = mark_job(tmp_path / "tight", "tight", max_duration="1h", deadline="+1h")
+    submitted = cli("e31", "submit", str(tight), "--pool", pool)
+    assert submitted.returncode == 0, submitted.stderr
+    run_id = flow_run_id(submitted.stdout)
+
+    worker = cli("prefect", "worker", "start", "--pool", pool, "--type", "e31", "--run-once", gpus="1xH100", env=LIVE)
+
+    assert worker.returncode == 0, worker.stdout + worker.stderr
+    run = read_run(run_id)
+    assert run.state.is_completed(), (run.state, worker.stdout[-3000:], worker.stderr[-3000:])
+    assert (tmp_path / "tight" / "out" / "ran").exists()

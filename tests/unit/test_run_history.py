@@ -146,5 +146,10 @@ def test_a_workers_busy_device_comes_back_at_its_runs_predicted_end_unless_its_l
     assert worker.planned_end(learned) == NOW + timedelta(minutes=14)
     assert worker.planned_end(plain) == NOW + TWO_HOURS
     assert worker.planned_end(odd) == NOW + timedelta(minutes=5)  # its limit (or its deadline) stops it first
+    worker.predicted_length[learned] = timedelta(minutes=14)
+    worker.rented(learned, NOW + timedelta(minutes=3))  # staging took 3 minutes: the prediction counts from here
+    worker.rented(plain, NOW + timedelta(minutes=3))
+    assert worker.planned_end(learned) == NOW + timedelta(minutes=17)
+    assert worker.planned_end(plain) == NOW + TWO_HOURS
     worker.return_devices(learned)
     assert worker.planned_end(learned) is None and learned not in worker.predicted_until
