@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import itertools
 import math
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
@@ -292,7 +293,8 @@ def decide(
                       if at <= now and run_id not in late and (run := queue.get(run_id)) is not None
                       and run.gpus), key=queue.order)
     first = {run.id for run in delayed}
-    for run in [*delayed, *(run for run in queue if run.id not in first)] if delayed else queue:
+    # Lazily: the walk stops early, and a list of every waiting run would cost what the walk saves.
+    for run in itertools.chain(delayed, (run for run in queue if run.id not in first)) if delayed else queue:
         if run.id in late:
             continue
         if refuse_missed and run.latest_start is not None and run.latest_start < now:
