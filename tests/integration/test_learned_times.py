@@ -8,7 +8,11 @@ Runs the real ``e31 submit``, ``prefect worker start --run-once`` and ``e31 queu
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -85,3 +89,36 @@ def test_a_run_past_its_limits_latest_start_but_not_its_predictions_runs_and_mee
     run = read_run(run_id)
     assert run.state.is_completed(), (run.state, worker.stdout[-3000:], worker.stderr[-3000:])
     assert (tmp_path / "tight" / "out" / "ran").exists()
+
+
+def _plan_versions(pool: str) -> list:
+    with get_client(sync_client=True) as client:
+        return client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[f"e31-plan-{pool}"])))
+
+
+def test_a_pools_worker_writes_the_plan_artifact_of_its_waiting_runs(prefect_server, tmp_path, pool):
+    # Two 1-GPU runs wait on a worker with one GPU: the worker's plan has one starting now, one after it.
+    job = mark_job(tmp_path / "pair", "pair", max_duration="10m")
+    for _ in range(2):
+        assert cli("e31", "submit", str(job), "--pool", pool).returncode == 0
+    written = len(_plan_versions(pool))  # e31 submit wrote its own
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {**os.environ, "E31_HOME": str(home), "E31_DEVICE_LOCKS": str(home / "locks"), "E31_GPUS": "1xH100",
+           "PREFECT_WORKER_QUERY_SECONDS": "1", "E31_PLAN_ARTIFACT_SECONDS": "1"}
+    with (home / "worker.log").open("wb") as log:
+        worker = subprocess.Popen([str(Path(sys.executable).parent / "prefect"), "worker", "start", "--pool", pool,
+                                   "--type", "e31"], env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and len(_plan_versions(pool)) <= written:
+            time.sleep(1)
+    finally:
+        worker.terminate()
+        worker.wait(timeout=60)
+    versions = _plan_versions(pool)
+    assert len(versions) > written, (home / "worker.log").read_text()[-3000:]
+    latest = max(versions, key=lambda artifact: artifact.created)
+    assert latest.type == "table" and latest.description.startswith(f"E31 plan of pool {pool}: ")
+    rows = json.loads(latest.data) if isinstance(latest.data, str) else latest.data
+    assert {row["job"] for row in rows} == {"pair"} and rows[0]["planned start"] != "never"
