@@ -279,28 +279,30 @@ def _submit(args: argparse.Namespace) -> int:
     job, now = _load(args)
     _connect()
     the_plan = plan(job, now, start_now=args.now)
-    flow_run, planned_start = asyncio.run(_submit_and_plan(job, args, now, the_plan.start))
+    flow_run, planned_start, planned_length = asyncio.run(_submit_and_plan(job, args, now, the_plan.start))
     print(f"Submitted flow run {flow_run.name!r} ({flow_run.id}) to pool {args.pool!r}")
     print(f"  {_ui_link(flow_run.id)}")
     if the_plan.latest_start:
         print(f"  latest start: {the_plan.latest_start.astimezone(job.tz).isoformat(timespec='minutes')} "
               "(to finish by its deadline)")
     print(f"  {planned_start}")
+    if planned_length:
+        print(f"  {planned_length}")
     return 0
 
 
 async def _submit_and_plan(job: Job, args: argparse.Namespace, now: datetime, scheduled: datetime,
-                           ) -> tuple[Any, str]:
+                           ) -> tuple[Any, str, str | None]:
     """Submit the job, then say when the pool's plan starts it (it is due at ``scheduled``), as ``e31 queue``
     would show it."""
-    from e31_prefect.forecast import planned_line, read_plan
+    from e31_prefect.forecast import length_line, planned_line, read_plan
 
     flow_run = await _submit_async(job, args, now)
     try:
         planned, _, hosts, planned_at = await read_plan(args.pool)
     except Exception as error:  # the run is submitted either way; only the forecast is missing
-        return flow_run, f"planned start: unknown ({type(error).__name__}: {error})"
-    return flow_run, planned_line(planned, flow_run.id, hosts, scheduled, planned_at)
+        return flow_run, f"planned start: unknown ({type(error).__name__}: {error})", None
+    return flow_run, planned_line(planned, flow_run.id, hosts, scheduled, planned_at), length_line(planned, flow_run.id)
 
 
 async def _submit_async(job: Job, args: argparse.Namespace, now: datetime):

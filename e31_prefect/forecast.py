@@ -16,11 +16,15 @@ from datetime import datetime, timezone
 from typing import Any
 from uuid import UUID
 
-from e31_prefect import inventories
+from prefect import get_client
+
+from e31_prefect import inventories, plan_artifact
 from e31_prefect.inventories import HostInventory
+from e31_prefect.prediction import human
 from e31_prefect.scheduling import Planned, plan
 
-COLUMNS = ("RUN", "JOB", "GPUS", "PLANNED START", "PLANNED FINISH", "LATEST START", "MEETS DEADLINE")
+COLUMNS = ("RUN", "JOB", "GPUS", "PLANNED START", "PLANNED FINISH", "LATEST START", "MEETS DEADLINE", "PLANNED FOR",
+           "BASIS")
 
 
 def _when(moment: datetime | None, never: str) -> str:
@@ -34,12 +38,14 @@ def rows(planned: Sequence[Planned], names: Mapping[Any, tuple[str, str]], now: 
     table = []
     for entry in ordered:
         run_name, job = names.get(entry.run.id, (str(entry.run.id), "?"))
-        meets = {None: "-", True: "yes", False: "no"}[entry.meets_deadline]
+        meets = plan_artifact.meets(entry)
         past = entry.run.latest_start is not None and entry.run.latest_start < now
         table.append((run_name, job, str(entry.run.gpus),
                       _when(entry.start, "deadline missed" if past else "never"),
                       _when(entry.finish, "-" if entry.start else "never"),
-                      _when(entry.run.latest_start, "-"), meets))
+                      _when(entry.run.latest_start, "-"), meets,
+                      human(entry.run.duration) if entry.run.duration is not None else "unknown",
+                      entry.run.basis or "-"))
     return table
 
 
@@ -71,6 +77,20 @@ def planned_line(planned: Sequence[Planned], run_id: Any, hosts: Sequence[HostIn
             "(e31 queue shows the pool)")
 
 
+def length_line(planned: Sequence[Planned], run_id: Any) -> str | None:
+    """What ``e31 submit`` says of how long its run is planned for and why ("planned for 14 min: your last 20
+    runs took 12-14 min of a 2 h limit"), and whether its deadline is met only on that; None: not planned yet."""
+    entry = next((p for p in planned if p.run.id == run_id), None)
+    if entry is None or entry.run.basis is None:
+        return None
+    length = human(entry.run.duration) if entry.run.duration is not None else "an unknown length"
+    line = f"planned for {length}: {entry.run.basis}"
+    if entry.on_prediction:
+        line += (f"; it meets its deadline only on this prediction (run to its {human(entry.run.limit)} limit "
+                 "it would not)")
+    return line
+
+
 async def read_plan(pool: str) -> tuple[list[Planned], dict[UUID, tuple[str, str]], list[HostInventory], datetime]:
     """The pool's waiting runs planned over its live inventories, their names, those inventories, and now."""
     from e31_prefect.worker import E31Worker
@@ -81,6 +101,11 @@ async def read_plan(pool: str) -> tuple[list[Planned], dict[UUID, tuple[str, str
     now = datetime.now(timezone.utc)
     names: dict[UUID, tuple[str, str]] = {run_id: (run_name, job) for run_id, (_, run_name, job) in waiting.items()}
     planned = plan([run for run, _, _ in waiting.values()], [(h.free, h.busy) for h in hosts], now)
+    try:  # shown in the Prefect UI too, as the pool's workers show it
+        async with get_client() as client:
+            await plan_artifact.write(client, pool, plan_artifact.table(planned, names), now)
+    except Exception:
+        pass  # only the UI's copy is missing
     return planned, names, hosts, now
 
 

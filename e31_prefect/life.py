@@ -270,6 +270,8 @@ class JobLife:
         self._destination(job)  # a destination the run may not write ends it here, before anything is held
         deadline = timing.resolve_deadline(job.request.deadline, scheduled_start(self.flow_run), job.tz)
         latest = timing.latest_start(deadline, job.admission_duration)
+        # A run the poll took on its predicted length (e31_prefect.prediction) is judged on it here too.
+        latest = self.worker.admitted_latest.get(self.run_id, latest) if latest is not None else None
         if latest is not None and now() > latest:
             self.report.step("deadline-missed", latest_start=latest.isoformat())
             raise Ends(endings.DEADLINE_MISSED.saying(
@@ -335,6 +337,7 @@ class JobLife:
             stop_at = timing.stop_at(now(), job.request.time_limit, deadline)
             if stop_at is not None:
                 self.worker.holds_until[self.run_id] = stop_at
+            self.worker.rented(self.run_id, now())
             self._write_holding(job, runtime, stop_at)
             assert self.configuration is not None
             yield Placement(str(self.run_id), job, devices, self.workspace, self.folder, stop_at,

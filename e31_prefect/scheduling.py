@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import itertools
 import math
 from collections import Counter
-from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 
@@ -52,6 +53,11 @@ class WaitingRun:
     duration: timedelta | None = None
     # Its Prefect work queue's priority: 1 is the most important queue, as in Prefect.
     queue_priority: int = 0
+    # Its hard time limit where ``duration`` is a prediction learned from past runs (e31_prefect.prediction);
+    # None: ``duration`` is the limit itself.
+    limit: timedelta | None = None
+    # What ``duration`` stands on, for a user ("your last 20 runs took 12-14 min of a 2 h limit").
+    basis: str | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -159,6 +165,10 @@ class WaitingQueue:
             late += self._runs[first:bisect.bisect_left(self._keys, (queue, now))]
         return late
 
+    def get(self, run_id: Hashable) -> WaitingRun | None:
+        """The waiting run ``run_id``; None if it is not waiting."""
+        return self._by_id.get(run_id)
+
     @property
     def gpuless(self) -> list[WaitingRun]:
         """Waiting runs that need no GPU, in order (few: sorted when asked)."""
@@ -252,12 +262,17 @@ def decide(
     backfill: bool = True,
     refuse_missed: bool = True,
     reservation_depth: int = RESERVATION_DEPTH,
+    promised: Mapping[Hashable, datetime] | None = None,
 ) -> Decision:
     """Start, in order of urgency, every run that fits now without delaying a more urgent run's reservation.
 
     ``waiting`` is a :class:`WaitingQueue` kept across polls, or any runs (then sorted by ``order``).
     With ``backfill=False`` it is plain first fit in the given order: whatever fits now starts.
     ``order`` and ``refuse_missed`` exist so the simulator can replay other policies.
+
+    ``promised`` is the last decision's reservations. A run whose promised start has passed was delayed
+    by a run that outlived its predicted length: it is placed first (in order of urgency among such runs),
+    so the devices that run frees go to it, not to a run that came since.
     """
     queue = waiting if isinstance(waiting, WaitingQueue) else WaitingQueue(waiting, order)
     decision = Decision()
@@ -274,7 +289,12 @@ def decide(
             model.earliest(1, 0.0, math.inf) is None for model in models):
         return decision  # every device held with no known end: nothing starts, nothing can be promised
     reservations = 0
-    for run in queue:
+    delayed = sorted((run for run_id, at in (promised or {}).items()
+                      if at <= now and run_id not in late and (run := queue.get(run_id)) is not None
+                      and run.gpus), key=queue.order)
+    first = {run.id for run in delayed}
+    # Lazily: the walk stops early, and a list of every waiting run would cost what the walk saves.
+    for run in itertools.chain(delayed, (run for run in queue if run.id not in first)) if delayed else queue:
         if run.id in late:
             continue
         if refuse_missed and run.latest_start is not None and run.latest_start < now:
@@ -330,6 +350,15 @@ class Planned:
             return None
         return self.start is not None and self.start <= self.run.latest_start
 
+    @property
+    def on_prediction(self) -> bool:
+        """Whether it meets its deadline only on its predicted length: run to its full time limit, it would not."""
+        run = self.run
+        if not self.meets_deadline or run.limit is None or run.duration is None or self.start is None:
+            return False
+        assert run.latest_start is not None
+        return self.start + run.limit > run.latest_start + run.duration
+
 
 def plan(waiting: WaitingQueue | Iterable[WaitingRun], hosts: Sequence[tuple[Sequence[Device], Sequence[Busy]]],
          now: datetime) -> list[Planned]:
@@ -376,6 +405,15 @@ class TraceJob:
     duration: timedelta
     deadline: datetime | None = None
     priority: int = 0
+    # The time limit its user set (None: its true duration), and the deployment it comes from (whose
+    # past runs a learned plan learns from).
+    limit: timedelta | None = None
+    kind: Hashable = None
+
+
+# What a simulated scheduler knows of a run's length: its user's limit, what past runs of its kind
+# took (e31_prefect.prediction), or (for comparison) the truth.
+KNOWLEDGE = ("limits", "learned", "perfect")
 
 
 @dataclass(frozen=True)
@@ -412,19 +450,42 @@ POLICIES: dict[str, dict] = {
 }
 
 
-def simulate(trace: Sequence[TraceJob], policy: str, gpus: int) -> SimulationResult:
+def simulate(trace: Sequence[TraceJob], policy: str, gpus: int, knowledge: str = "perfect",
+             history_runs: int = 20, past: Mapping[Hashable, Sequence[float]] | None = None) -> SimulationResult:
     """Replay ``trace`` on a pool of ``gpus`` identical GPUs with the same decision function the worker uses.
 
     Time jumps from event to event (a submission or a run ending); at each, the policy decides.
-    A job's time limit is its real duration, so reservations are exact.
+    ``knowledge`` is what a run's planned length is: ``perfect`` its real duration (reservations are
+    exact), ``limits`` the limit its user set, ``learned`` the worker's prediction from the last
+    ``history_runs`` runs of its kind (the limit until enough have ended; ``past`` gives each kind's work
+    times, in seconds, from before the trace, as a pool that has run before has). A run always takes its real
+    duration; a run that outlives its plan holds its devices until it ends, as in a worker.
     """
+    from e31_prefect.prediction import predict
+
+    if knowledge not in KNOWLEDGE:
+        raise ValueError(f"knowledge {knowledge!r} is none of {', '.join(KNOWLEDGE)}")
     settings = dict(POLICIES[policy])
+    history: dict[Hashable, list[float]] = {kind: list(times)[-history_runs:] for kind, times in (past or {}).items()}
+    promised: dict[Hashable, datetime] = {}
+
+    def planned_length(job: TraceJob) -> tuple[timedelta, timedelta | None]:
+        limit = job.limit or job.duration
+        if knowledge == "perfect":
+            return job.duration, None
+        if knowledge == "limits":
+            return limit, None
+        predicted = predict(history.get(job.kind, ()), limit).duration
+        assert predicted is not None
+        return predicted, limit
+
     waiting = WaitingQueue(order=settings.pop("order"))
     devices = [Device(i, "GPU") for i in range(gpus)]
     arrivals = sorted(trace, key=lambda j: (j.submit, j.id))
     by_id = {job.id: job for job in trace}
     ends: list[tuple[datetime, int]] = []  # heap of (end, job id)
-    held: dict[int, tuple[list[Device], datetime]] = {}
+    held: dict[int, tuple[list[Device], datetime]] = {}  # devices, and when the plan expects them back
+    finished_kinds: set[Hashable] = set()
     met = refused = 0
     busy_seconds = on_time_seconds = 0.0
     waits: list[float] = []
@@ -435,16 +496,28 @@ def simulate(trace: Sequence[TraceJob], policy: str, gpus: int) -> SimulationRes
         while ends and ends[0][0] <= now:
             _, finished = heapq.heappop(ends)
             del held[finished]
+            done = by_id[finished]
+            past = history.setdefault(done.kind, [])
+            past.append(done.duration.total_seconds())
+            del past[:-history_runs]
+            finished_kinds.add(done.kind)
         while index < len(arrivals) and arrivals[index].submit <= now:
             job = arrivals[index]
             index += 1
-            waiting.add(WaitingRun(
-                job.id, job.gpus, None, job.submit,
-                latest_start=None if job.deadline is None else job.deadline - job.duration,
-                priority=job.priority, duration=job.duration))
+            waiting.add(_waiting(job, *planned_length(job)))
+        if knowledge == "learned" and finished_kinds:
+            # What just ended teaches the plan of the runs of its kind still waiting: re-plan them.
+            for run in [run for run in waiting if by_id[run.id].kind in finished_kinds]:
+                job = by_id[run.id]
+                fresh = _waiting(job, *planned_length(job))
+                if fresh != run:
+                    waiting.add(fresh)
+            finished_kinds.clear()
         in_use = {d for devs, _ in held.values() for d in devs}
         busy = [Busy(d, until) for devs, until in held.values() for d in devs]
-        decision = decide(waiting, [d for d in devices if d not in in_use], now, busy, **settings)
+        decision = decide(waiting, [d for d in devices if d not in in_use], now, busy, promised=promised,
+                          **settings)
+        promised = decision.reserved
         for run in decision.missed:
             waiting.discard(run.id)
             refused += 1
@@ -452,7 +525,7 @@ def simulate(trace: Sequence[TraceJob], policy: str, gpus: int) -> SimulationRes
             job = by_id[run.id]
             waiting.discard(run.id)
             end = now + job.duration
-            held[job.id] = (chosen, end)
+            held[job.id] = (chosen, now + run.duration if run.duration is not None else end)
             heapq.heappush(ends, (end, job.id))
             busy_seconds += job.gpus * job.duration.total_seconds()
             waits.append((now - job.submit).total_seconds())
@@ -477,3 +550,10 @@ def simulate(trace: Sequence[TraceJob], policy: str, gpus: int) -> SimulationRes
         refused=refused,
         on_time_utilisation=on_time_seconds / (gpus * span),
     )
+
+
+def _waiting(job: TraceJob, length: timedelta, limit: timedelta | None) -> WaitingRun:
+    """A trace job as a worker sees it waiting: planned for ``length``, its deadline judged on that length."""
+    return WaitingRun(job.id, job.gpus, None, job.submit,
+                      latest_start=None if job.deadline is None else job.deadline - length,
+                      priority=job.priority, duration=length, limit=limit)

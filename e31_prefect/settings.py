@@ -86,6 +86,21 @@ class E31Settings(BaseSettings):
     keep_workspaces: bool = Field(
         default=False, description="Keep each run's workspace after release (for debugging)."
     )
+    history_runs: int = Field(
+        default=20, ge=0, le=1000,
+        description="How many recent completed runs of a deployment (per team) the scheduler learns a run's length "
+        "from (a high quantile of their work times, capped by the run's limit); 0 plans every run by its limit. "
+        "Set the same on every worker of a pool.",
+    )
+    history_refresh_seconds: float = Field(
+        default=60.0, gt=0,
+        description="How often a deployment's recent runs are read again from the Prefect server.",
+    )
+    plan_artifact_seconds: float = Field(
+        default=30.0, gt=0,
+        description="At most how often a worker writes the pool's plan (the e31-plan-<pool> table artifact), "
+        "and only when it changed.",
+    )
     cache_bytes: int = Field(
         default=50 * 2**30,
         description="Size bound of the host's content cache of staged inputs (bytes, or 200g, 500Gi); "

@@ -39,7 +39,7 @@ from prefect.workers.base import BaseVariables, BaseWorkerResult
 from prefect_docker.worker import DockerWorker, DockerWorkerJobConfiguration
 from pydantic import Field, PrivateAttr, create_model
 
-from e31_prefect import backlog, endings, home_files, inventories, quotas, reporting, timing
+from e31_prefect import backlog, endings, home_files, inventories, plan_artifact, quotas, reporting, timing
 from e31_prefect.backlog_watch import Page, WatchedBacklog
 from e31_prefect.blocks import E31Storage
 from e31_prefect.command_flow import COMMAND_FLOW_ENTRYPOINT
@@ -49,10 +49,11 @@ from e31_prefect.job import JOB_VARIABLE_KEYS, Job, Problem, anchor, code_root, 
 from e31_prefect.ledger import Holding, Ledger, RunFolder, this_process
 from e31_prefect.life import JobLife, infrastructure_id, parse_infrastructure_id, scheduled_start
 from e31_prefect.meter import Meter
+from e31_prefect.run_history import RunHistory
 from e31_prefect.run_states import RunStates, read_states
 from e31_prefect.runtimes import SET_FOR_THE_RUN
 from e31_prefect.runtimes import container as containers
-from e31_prefect.scheduling import Busy, WaitingQueue, WaitingRun, decide
+from e31_prefect.scheduling import Busy, WaitingQueue, WaitingRun, decide, plan
 from e31_prefect.settings import E31Settings
 from e31_prefect.supervision import Supervisor
 
@@ -283,6 +284,18 @@ class E31Worker(DockerWorker):
                                     self.settings.watch_seconds)
         # When each run holding devices here must have let them go (its time limit), for backfill.
         self.holds_until: dict[UUID, datetime] = {}
+        # When each run started here is predicted to end (its deployment's past runs), if before its limit:
+        # backfill plans with it; a run that outlives it is not stopped, the next poll plans around it.
+        self.predicted_until: dict[UUID, datetime] = {}
+        self.predicted_length: dict[UUID, timedelta] = {}  # counted again from the rent (staging came between)
+        # The latest start a poll judged a run by when it took it on a predicted length: the run's admission
+        # judges it the same way (by its limit, it may be past already).
+        self.admitted_latest: dict[UUID, datetime] = {}
+        # Recent work times of the waiting runs' deployments (the Prefect server's record), and the last
+        # decision's reservations: a run a misprediction kept waiting past its promise is placed first.
+        self.history = RunHistory(self.settings.history_runs, self.settings.history_refresh_seconds)
+        self._promised: dict[UUID, datetime] = {}
+        self.plan_writer = plan_artifact.PlanWriter(self.settings.plan_artifact_seconds)
         # The pool's waiting runs in order of urgency, kept across polls so a decision never sorts.
         self.queue = WaitingQueue()
         # Each waiting run as evaluated (templated, parsed, deadline resolved), kept until it changes.
@@ -378,7 +391,7 @@ class E31Worker(DockerWorker):
         if not self._serving or self._work_pool is None:
             return
         free = set(self.inventory.free())
-        holds: dict[Any, datetime | None] = {device: self.holds_until.get(holder)
+        holds: dict[Any, datetime | None] = {device: self.planned_end(holder)
                                              for device, holder in self.inventory.holders().items()}
         for device in self.inventory.devices:
             if device not in free and device not in holds:
@@ -455,12 +468,13 @@ class E31Worker(DockerWorker):
             return in_flight
         waiting = await self._waiting_runs(responses, queues, deployments)
         now = datetime.now(timezone.utc)
-        busy = [Busy(device, self.holds_until.get(holder))
-                for device, holder in self.inventory.holders().items()]
-        if waiting is not self._queued:  # else the queue holds these very runs already
+        busy = [Busy(device, self.planned_end(holder)) for device, holder in self.inventory.holders().items()]
+        changed = waiting is not self._queued
+        if changed:  # else the queue holds these very runs already
             self.queue.sync(run for run, _, _ in waiting.values())
             self._queued = waiting
-        decision = decide(self.queue, self.inventory.free(), now, busy)
+        decision = decide(self.queue, self.inventory.free(), now, busy, promised=self._promised)
+        self._promised = decision.reserved
         by_id = {r.flow_run.id: r for r in responses} if decision.missed or decision.start else {}
         for run in decision.missed:
             await self._refuse_missed(by_id[run.id].flow_run, *waiting[run.id][1:], run.latest_start, now)
@@ -472,6 +486,13 @@ class E31Worker(DockerWorker):
                 chosen.append(by_id[run.id])
                 if run.duration is not None:
                     self.holds_until[run.id] = now + run.duration
+                    if run.limit is not None:  # planned by a prediction: the limit still stops it
+                        self.predicted_until[run.id] = now + run.duration
+                        self.predicted_length[run.id] = run.duration
+                        if run.latest_start is not None:
+                            self.admitted_latest[run.id] = run.latest_start
+        if self._serving and (changed or decision.start) and self.plan_writer.due():
+            self.plan_writer.start(functools.partial(self._pool_plan, waiting, responses))
         submitted = {run.id for run in await self._submit_scheduled_flow_runs(flow_run_response=chosen)}
         for response in chosen:
             if response.flow_run.id not in submitted:  # Prefect's limiter (--limit) said no: hold nothing for it
@@ -489,6 +510,28 @@ class E31Worker(DockerWorker):
         waiting = await self._waiting_runs(responses, queues)
         return {r.flow_run.id: (waiting[r.flow_run.id][0], r.flow_run.name, waiting[r.flow_run.id][1])
                 for r in responses}
+
+    def planned_end(self, run_id: UUID) -> datetime | None:
+        """When a run holding devices here is planned to let them go: its predicted end if sooner, else its limit."""
+        limit, predicted = self.holds_until.get(run_id), self.predicted_until.get(run_id)
+        return predicted if predicted is not None and (limit is None or predicted < limit) else limit
+
+    def rented(self, run_id: UUID, at: datetime) -> None:
+        """The run's devices are rented at ``at``: its predicted end counts from there, as its limit does."""
+        if run_id in self.predicted_length:
+            self.predicted_until[run_id] = at + self.predicted_length[run_id]
+
+    async def _pool_plan(self, waiting: dict[UUID, tuple[WaitingRun, str, str | None]],
+                         responses: list[WorkerFlowRunResponse]) -> tuple[list[dict[str, str]], Any]:
+        """The pool's plan artifact rows (its waiting runs over the live workers' published devices), and
+        how to write them."""
+        hosts = await inventories.read(self.client, self._work_pool_name)
+        now = datetime.now(timezone.utc)
+        planned = plan([run for run, _, _ in waiting.values()], [(h.free, h.busy) for h in hosts], now)
+        names = {r.flow_run.id: (r.flow_run.name, waiting[r.flow_run.id][1]) for r in responses
+                 if r.flow_run.id in waiting}
+        return plan_artifact.table(planned, names), functools.partial(
+            plan_artifact.write, self.client, self._work_pool_name, now=now)
 
     def _due_by(self) -> datetime:
         """The latest scheduled start a poll takes: now and Prefect's prefetch."""
@@ -555,8 +598,10 @@ class E31Worker(DockerWorker):
 
         def around() -> tuple[Any, ...]:
             """What the evaluations stand on besides the runs themselves."""
-            return priorities, {key: d.updated if d else None for key, d in deployments.items()}, template
+            return (priorities, {key: d.updated if d else None for key, d in deployments.items()}, template,
+                    self.history.generation)
 
+        await self.history.update(self.client, self._deployments)  # a few ids: the last poll's runs' deployments
         last = self._last_waiting
         if last is not None and last[0] is responses and last[1] == around():
             return last[2]
@@ -566,11 +611,13 @@ class E31Worker(DockerWorker):
         deployments.update(await self._read_deployments(
             {run.deployment_id for run in flow_runs if run.deployment_id and run.deployment_id not in deployments}))
         self._deployments = {run.deployment_id for run in flow_runs if run.deployment_id}
+        await self.history.update(self.client, self._deployments)  # a new deployment's record, before its runs' plan
         for flow_run in flow_runs:
             deployment = deployments.get(flow_run.deployment_id) if flow_run.deployment_id else None
             queue_priority = priorities.get(flow_run.work_queue_id, LOWEST_QUEUE_PRIORITY)
             version = (flow_run.updated, flow_run.state_id, flow_run.work_queue_id, queue_priority,
-                       deployment.updated if deployment else None, template)
+                       deployment.updated if deployment else None, template,
+                       self.history.version(flow_run.deployment_id))
             evaluated = self.evaluations.get(flow_run.id, version)
             if evaluated is None:
                 run, name, team = await self._evaluate(flow_run, deployment, jobs)
@@ -627,15 +674,22 @@ class E31Worker(DockerWorker):
         values = {**(deployment.job_variables if deployment else {}), **(flow_run.job_variables or {})}
         job = await self._job(values, name, jobs)
         deadline = timing.resolve_deadline(job.request.deadline, scheduled, job.tz)
+        team = quotas.team_by_queue(self.settings.queue_teams, flow_run.work_queue_name, job.team)
+        limit = job.request.time_limit or job.expected_duration
+        # Planned (and its deadline judged) by what its deployment's recent runs of its team took, not by its limit.
+        prediction, seen = self.history.predict(flow_run.deployment_id, team, limit)
         return WaitingRun(
             id=flow_run.id,
             gpus=job.request.gpus,
             gpu_type=job.request.gpu_type,
             scheduled=scheduled,
-            latest_start=timing.latest_start(deadline, job.admission_duration),
+            latest_start=timing.latest_start(deadline, prediction.duration if prediction.learned
+                                             else job.admission_duration),
             priority=job.request.priority,
-            duration=job.request.time_limit or job.expected_duration,
-        ), quotas.team_by_queue(self.settings.queue_teams, flow_run.work_queue_name, job.team)
+            duration=prediction.duration,
+            limit=limit if prediction.learned else None,
+            basis=prediction.basis(seen),
+        ), team
 
     async def _refuse_missed(self, flow_run: FlowRun, job_name: str, team: str | None, latest: datetime | None,
                              now: datetime) -> None:
@@ -699,6 +753,9 @@ class E31Worker(DockerWorker):
         """The run's devices go back to this host's pool (idempotent)."""
         self.inventory.give_back(flow_run_id)
         self.holds_until.pop(flow_run_id, None)
+        self.predicted_until.pop(flow_run_id, None)
+        self.predicted_length.pop(flow_run_id, None)
+        self.admitted_latest.pop(flow_run_id, None)
 
     async def _submit_adhoc_run(self, flow: Any, parameters: dict[str, Any] | None = None,
                                 job_variables: dict[str, Any] | None = None,

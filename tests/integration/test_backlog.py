@@ -216,8 +216,9 @@ def test_queue_lists_every_waiting_run_with_its_planned_start_and_whether_it_mee
     lines = shown.stdout.splitlines()
     assert lines[0] == "1 live worker(s), 1 GPU(s), 1 free now; 3 waiting run(s)", shown.stdout
     rows = [line.split() for line in lines[2:]]
-    # [run, job, gpus, start date, start time, finish date, finish time, latest date, latest time, meets]
-    assert [(row[1], row[-1]) for row in rows] == [("first", "yes"), ("second", "no"), ("third", "yes")]
+    # [run, job, gpus, start date, start time, finish date, finish time, latest date, latest time, meets,
+    #  planned for (2 words), basis (words)]
+    assert [(row[1], row[9]) for row in rows] == [("first", "yes"), ("second", "no"), ("third", "yes")]
     first = rows[0]
     assert (datetime.fromisoformat(f"{first[5]}T{first[6]}") - datetime.fromisoformat(f"{first[3]}T{first[4]}")
             == timedelta(hours=1))

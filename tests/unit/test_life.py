@@ -115,7 +115,11 @@ class FakeWorker:
         self.client = FakeClient(quota)
         self.meters: dict[UUID, Any] = {}
         self.holds_until: dict[UUID, datetime] = {}
+        self.admitted_latest: dict[UUID, datetime] = {}  # runs a poll took on a predicted length
         self.run_states = RunStates(self._read_states, lambda: [], self.settings.watch_seconds)
+
+    def rented(self, run_id: UUID, at: datetime) -> None:
+        pass
 
     async def _read_states(self, ids: list[UUID]) -> dict[UUID, Any]:
         return {run_id: (await self.client.read_flow_run(run_id)).state for run_id in ids}
@@ -220,6 +224,14 @@ def test_admit_refuses_a_run_past_its_latest_start(tmp_path):
     ending = ending_of(life.admit)
     assert ending.is_(endings.DEADLINE_MISSED) and "No GPU was rented" in ending.message
     assert life.report.steps == ["deadline-missed"]
+
+
+def test_admit_takes_a_run_the_poll_took_on_its_predicted_length(tmp_path):
+    # Past its latest start by its limit, not by what its deployment's runs take: the poll's judgement stands.
+    life = life_for(tmp_path, job_dict(tmp_path, deadline=(NOW + timedelta(minutes=30)).isoformat()))
+    life.worker.admitted_latest[life.run_id] = NOW + timedelta(minutes=20)
+    assert life.admit().name
+    assert life.report.steps == []
 
 
 async def test_check_refuses_a_host_that_cannot_run_the_job(tmp_path):
