@@ -117,6 +117,15 @@ def with_queue_names(responses: list[WorkerFlowRunResponse], names: Mapping[UUID
     return responses
 
 
+def retrying_in_process(run: Any) -> bool:
+    """Whether a scheduled run waits for a retry in its own, still living, process: no worker's to take.
+
+    Prefect's worker endpoint skips these (``retry_type: in_process``, set by the server as a flow with
+    retries left fails); the flow-run filter does not, so the runs read through it are judged here.
+    """
+    return getattr(getattr(run, "empirical_policy", None), "retry_type", None) == "in_process"
+
+
 def as_worker_responses(runs: Iterable[Any]) -> list[WorkerFlowRunResponse]:
     """Flow runs read through the flow-run filter, in the worker endpoint's shape."""
     from prefect.client.schemas.responses import WorkerFlowRunResponse
@@ -148,7 +157,8 @@ async def read_backlog(client: PrefectClient, pool: str, queues: Iterable[str],
             found += await page_through(after, at, size)
         except ObjectNotFound:
             continue
-    return found
+    # After paging, which counts a page's runs to find its end.
+    return [response for response in found if not retrying_in_process(response.flow_run)]
 
 
 async def read_waiting_ids(client: PrefectClient, pool: str, ids: list[UUID]) -> list[WorkerFlowRunResponse]:
@@ -163,7 +173,7 @@ async def read_waiting_ids(client: PrefectClient, pool: str, ids: list[UUID]) ->
                 id=FlowRunFilterId(any_=ids[first:first + size]),
                 state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.SCHEDULED]))),
             work_pool_filter=WorkPoolFilter(name=WorkPoolFilterName(any_=[pool])), limit=size))
-    return found
+    return [response for response in found if not retrying_in_process(response.flow_run)]
 
 
 class _Kept(NamedTuple):

@@ -426,7 +426,8 @@ class _Handler(BaseHTTPRequestHandler):
         # Its own run's changes one at a time, judged and sent together: a FAILED judged to have retries
         # left is not raced by a PATCH of those retries.
         with gateway.own_run_lock if own_run else contextlib.nullcontext():
-            if own_run and route.endswith("/set_state") and (why := gateway.end_refusal(parsed)) is not None:
+            if own_run and (why := gateway.end_refusal(parsed) if route.endswith("/set_state")
+                            else gateway.policy_refusal(parsed) if self.command == "PATCH" else None) is not None:
                 gateway._refuse(why)
                 return self._answer(403, f"e31: {why}; a running job reaches only its own flow run")
             status, reason, answer_headers, answer = gateway.call(self.command, gateway.upstream_path(self.path),
@@ -570,8 +571,34 @@ class Gateway:
         return (f"its own run goes {kind} only when its work ends (the engine reports it as the flow returns); "
                 "the worker reports how the work ended")
 
+    def policy_refusal(self, body: Any) -> str | None:
+        """Why a change of the job's own run's retry policy may not pass (None: it may).
+
+        The engine sends its run's whole policy back once, as it starts, with the flow's retries. A run
+        that failed with retries left waits for its retry in Scheduled, marked ``retry_type: in_process``
+        so that no worker takes it (Prefect's worker endpoint, and e31's backlog, skip it); a job that
+        cleared that mark would hand a worker of its pool a run to start again, billed to its team.
+        """
+        policy = body.get("empirical_policy") if isinstance(body, dict) else None
+        if not isinstance(policy, dict) or "retry_type" not in policy:
+            return None
+        run = self._read_own_run()
+        kept = ((run or {}).get("empirical_policy") or {}).get("retry_type")
+        if run is None or policy["retry_type"] != kept:
+            return f"a job may not change its run's retry_type ({kept!r}): a worker would pick the run up"
+        return None
+
     def _retries_left(self) -> bool:
         """Whether the job's run has a retry left, as the server will judge a FAILED (read upstream)."""
+        with contextlib.suppress(Exception):
+            run = self._read_own_run()
+            if run is not None:
+                retries = (run.get("empirical_policy") or {}).get("retries")
+                return retries is not None and int(run.get("run_count") or 0) <= int(retries)
+        return False
+
+    def _read_own_run(self) -> dict[str, Any] | None:
+        """The job's own flow run as the API has it now, read with the worker's credentials (None: unread)."""
         with contextlib.suppress(Exception):
             cls = http.client.HTTPSConnection if self.https else http.client.HTTPConnection
             connection = cls(self.host, self.port, timeout=30)
@@ -581,9 +608,8 @@ class Gateway:
                 run = json.loads(connection.getresponse().read())
             finally:
                 connection.close()
-            retries = (run.get("empirical_policy") or {}).get("retries")
-            return retries is not None and int(run.get("run_count") or 0) <= int(retries)
-        return False
+            return run if isinstance(run, dict) else None
+        return None
 
     def _refuse(self, why: str) -> None:
         self.refused.append(why)

@@ -223,3 +223,34 @@ def test_queue_lists_every_waiting_run_with_its_planned_start_and_whether_it_mee
     assert (datetime.fromisoformat(f"{first[5]}T{first[6]}") - datetime.fromisoformat(f"{first[3]}T{first[4]}")
             == timedelta(hours=1))
     assert rows[1][3:5] == first[5:7]  # the second waits for the first's hour on the one GPU
+
+
+def test_a_run_awaiting_a_retry_in_its_own_process_is_no_workers_to_take(prefect_server, tmp_path: Path, pool):
+    """A flow that fails with retries left waits in Scheduled (AwaitingRetry) for its own process to run it
+    again; a worker that took it would start the work a second time, billed again (Prefect's worker endpoint
+    skips it; e31 reads its kept backlog through the flow-run filter too)."""
+    from prefect.states import Failed, Running
+
+    from e31_prefect import backlog
+
+    job = mark_job(tmp_path / "retrying", "retrying")
+    result = cli("e31", "submit", str(job), "--pool", pool)
+    assert result.returncode == 0, result.stdout + result.stderr
+    retrying = flow_run_id(result.stdout)
+    with get_client(sync_client=True) as client:
+        run = client.read_flow_run(retrying)
+        other = client.create_flow_run_from_deployment(run.deployment_id, state=Scheduled())
+        client.update_flow_run(retrying, empirical_policy={"retries": 1, "retry_delay": 0})
+        client.set_flow_run_state(retrying, Running())
+        answer = client.set_flow_run_state(retrying, Failed())
+        assert client.read_flow_run(retrying).state.name == "AwaitingRetry", answer
+
+    async def read() -> tuple[set[UUID], set[UUID]]:
+        async with get_client() as client:
+            whole = await backlog.read_backlog(client, pool, ["default"], None)
+            asked = await backlog.read_waiting_ids(client, pool, [retrying, other.id])
+        return {r.flow_run.id for r in whole}, {r.flow_run.id for r in asked}
+
+    whole, asked = asyncio.run(read())
+    assert other.id in whole and other.id in asked
+    assert retrying not in whole and retrying not in asked

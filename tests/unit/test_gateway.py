@@ -365,3 +365,20 @@ def test_a_failed_with_retries_left_is_a_retry_not_an_end(monkeypatch):
     assert door(run_has_retries=True).end_refusal({"state": {"type": "FAILED"}}) is None
     assert door(run_has_retries=True).end_refusal({"state": {"type": "COMPLETED"}}) is not None
     assert door(run_has_retries=False).end_refusal({"state": {"type": "FAILED"}}) is not None
+
+
+def test_a_job_keeps_its_runs_retry_type_so_no_worker_takes_a_run_awaiting_its_retry():
+    # The server marks a run that failed with retries left `in_process`; cleared, a worker would start it again.
+    waiting = door()
+    waiting._read_own_run = lambda: {"empirical_policy": {"retries": 1, "retry_type": "in_process"}}
+    why = waiting.policy_refusal({"empirical_policy": {"retries": 1, "retry_type": None}})
+    assert why and "retry_type" in why and "worker would pick the run up" in why
+    assert waiting.policy_refusal({"empirical_policy": {"retries": 1, "retry_type": "reschedule"}}) is not None
+    assert waiting.policy_refusal({"empirical_policy": {"retries": 1, "retry_type": "in_process"}}) is None
+    fresh = door()  # the engine's own PATCH as it starts: the policy as read, with the flow's retries
+    fresh._read_own_run = lambda: {"empirical_policy": {"retries": None, "retry_type": None}}
+    assert fresh.policy_refusal({"flow_version": "1", "empirical_policy": {"retries": 2, "retry_type": None}}) is None
+    assert fresh.policy_refusal({"name": "renamed"}) is None
+    unread = door()  # the API did not answer: nothing to compare with, so nothing changes
+    unread._read_own_run = lambda: None
+    assert unread.policy_refusal({"empirical_policy": {"retry_type": None}}) is not None
