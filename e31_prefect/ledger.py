@@ -62,6 +62,7 @@ class Holding:
     storage: str | None = None  # the job's E31 Storage block, to send what it wrote with its credentials
     stop_at: str | None = None  # the time limit: when the supervisor stops the work
     marks: dict[str, str] = field(default_factory=dict)
+    output_bounds: dict[str, Any] = field(default_factory=dict)  # its OutputBounds: its disk, files, time to send
 
     def marks_as_datetimes(self) -> dict[str, datetime]:
         """The meter marks recorded so far."""

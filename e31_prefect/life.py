@@ -16,6 +16,7 @@ to the next worker; one that had not rented yet hands its run back to the pool.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 import socket
@@ -33,7 +34,7 @@ import httpx
 from prefect.client.schemas.objects import FlowRun, State
 from prefect.exceptions import ObjectNotFound
 
-from e31_prefect import cgroups, endings, quotas, reporting, results, shards, spool, timing
+from e31_prefect import cgroups, disk, endings, output_bounds, quotas, reporting, results, shards, spool, timing
 from e31_prefect.blocks import StorageBlockError, load_job_storage
 from e31_prefect.command_flow import COMMAND_FLOW_ENTRYPOINT
 from e31_prefect.endings import Ending
@@ -42,6 +43,7 @@ from e31_prefect.inventory import Device, pick_devices
 from e31_prefect.job import Job, JobError
 from e31_prefect.ledger import Holding, Record, RunFolder, now, output_tail, this_process
 from e31_prefect.meter import Meter, work_end
+from e31_prefect.output_bounds import OutputBounds
 from e31_prefect.runtimes import Placement, Runtime, runtime_for
 from e31_prefect.staging import (
     StagingError,
@@ -168,6 +170,8 @@ class JobLife:
         self._started = False
         self._detached = False
         self._owner = owner  # the run's owner lock in the ledger folder, from taking the run to release
+        self.bounds: OutputBounds | None = None  # what it may write and send (admit, or its ledger entry)
+        self._passed: Ending | None = None  # a bound the worker's watch stopped the work for
 
     # -- the whole life ---------------------------------------------------------------------------
 
@@ -261,6 +265,12 @@ class JobLife:
         if refused:
             raise Ends(endings.INVALID_JOB.saying("The run's worker settings are not valid:\n"
                                                   + "\n".join(map(str, refused))))
+        try:
+            pool = {name: getattr(self.configuration, name, None)
+                    for name in ("default_disk", "max_output_files", "output_send_seconds")}
+            self.bounds = output_bounds.bounds_for(job.request.disk, **pool)
+        except ValueError as exc:
+            raise Ends(endings.INVALID_JOB.saying(f"The run's worker settings are not valid:\n{exc}")) from None
         self._destination(job)  # a destination the run may not write ends it here, before anything is held
         deadline = timing.resolve_deadline(job.request.deadline, scheduled_start(self.flow_run), job.tz)
         latest = timing.latest_start(deadline, job.admission_duration)
@@ -287,6 +297,7 @@ class JobLife:
     async def stage(self, job: Job) -> None:
         """Copy the job's data into its workspace, verified and read-only, before any GPU is held."""
         (self.workspace / "output").mkdir(parents=True, exist_ok=True)
+        await self._give_disk()
         try:
             self.storage = await load_job_storage(job.storage, job.team) if job.storage else None
             self.options = self.storage.fsspec_options() if self.storage else None
@@ -297,6 +308,19 @@ class JobLife:
             raise Ends(endings.STAGING_FAILED.saying(f"Staging failed before any GPU was rented: {exc}")) from None
         self.meter.mark("staged", now())
         self.report.step("staged", files=staged.files, bytes=staged.bytes, seconds=round(staged.seconds, 3))
+
+    async def _give_disk(self) -> None:
+        """Mount the run's output disk (:mod:`e31_prefect.disk`) where the host allows; else the worker's watch
+        bounds what the work writes."""
+        assert self.bounds is not None
+        why_not = disk.can_mount()
+        if why_not is None:
+            try:
+                await anyio.to_thread.run_sync(disk.mount, self.workspace, self.workspace / "output", self.bounds)
+                return
+            except disk.DiskError as exc:
+                why_not = str(exc)
+        self.log.info("The output dir is not a disk of its own (%s): the worker watches its size and files", why_not)
 
     # -- rent -------------------------------------------------------------------------------------
 
@@ -373,7 +397,8 @@ class JobLife:
             job=job.model_dump(mode="json", by_alias=True), pool=self.worker._work_pool_name,
             destination=self._destination(job), lease=str(self.lease) if self.lease else None,
             runtime=runtime.name, gpus=len(self.devices), team=job.team, storage=job.storage,
-            stop_at=stop_at.isoformat() if stop_at else None)
+            stop_at=stop_at.isoformat() if stop_at else None,
+            output_bounds=dataclasses.asdict(self.bounds) if self.bounds else {})
         self._save()
 
     def _save(self) -> None:
@@ -434,11 +459,24 @@ class JobLife:
                 with contextlib.suppress(Exception):
                     await self._keep_slots()
                     renewed = now()
+            if self._passed is None and await self._over_bounds():
+                supervisor.stop()
             with contextlib.suppress(Exception):
                 state = await self.worker.run_states.state(self.run_id)  # one read for all runs here
                 if state is not None and state.is_cancelling():
                     self.log.info("Cancellation requested: stopping the run")
                     supervisor.stop()
+
+    async def _over_bounds(self) -> bool:
+        """Where the output dir is no disk of its own, whether the work wrote past its bounds (then it is stopped)."""
+        output_dir = self.workspace / "output"
+        if self.bounds is None or os.path.ismount(output_dir):
+            return False  # the kernel bounds a disk of its own
+        usage = await anyio.to_thread.run_sync(disk.measure, output_dir, self.bounds)
+        self._passed = output_bounds.overrun(self.bounds, usage)
+        if self._passed is not None:
+            self.log.error("%s The work is stopped.", self._passed.message)
+        return self._passed is not None
 
     async def _keep_slots(self) -> None:
         """Renew the run's quota lease; one that expired (its worker died, the API was down longer than a
@@ -466,6 +504,9 @@ class JobLife:
         self.worker.meters[self.run_id] = self.meter
         self._save()
         ending = judge(record, await self._flow_state(), died, job, output_tail(self.folder.output_log))
+        passed = await self._bound_passed()
+        if passed is not None and (output_bounds.stops_ending(ending) or self._passed is not None):
+            ending = passed
         if ending is not None:
             self.report.step(ending.event, self.devices)
             await self._set_state(ending)
@@ -473,6 +514,13 @@ class JobLife:
         if sent is not None:
             await self._set_state(sent)
         return sent or ending
+
+    async def _bound_passed(self) -> Ending | None:
+        """The ending for a bound the work passed (its disk, its number of outputs), if it did."""
+        if self.bounds is None:
+            return self._passed
+        usage = await anyio.to_thread.run_sync(disk.measure, self.workspace / "output", self.bounds)
+        return output_bounds.overrun(self.bounds, usage) or self._passed
 
     async def _flow_state(self) -> State | None:
         return (await self.worker.client.read_flow_run(self.run_id)).state
@@ -489,13 +537,15 @@ class JobLife:
         output_dir = self.workspace / "output"
         destination = self.holding.destination or self._destination(job)
         try:
-            sent = await anyio.to_thread.run_sync(upload_outputs, output_dir, destination, self.options, 3, 1.0,
-                                                  self.log, abandon_on_cancel=True)
+            sent = await anyio.to_thread.run_sync(functools.partial(
+                upload_outputs, output_dir, destination, self.options, 3, 1.0, self.log, **self._send_bounds()),
+                abandon_on_cancel=True)
         except UploadError as exc:
             state = await self._flow_state()
-            kept = await anyio.to_thread.run_sync(
+            bounded = self._send_bounds()
+            kept = await anyio.to_thread.run_sync(functools.partial(
                 spool.keep, output_dir, self.worker.settings.spool, str(self.run_id), destination, job.storage,
-                job.name, state.name if state else None, str(exc))
+                job.name, state.name if state else None, str(exc), bounded["max_entries"], bounded["max_bytes"]))
             self.holding.destination = kept.outputs_url
             await spool.record_kept(self.worker.client, self.run_id, kept)
             return endings.OUTPUT_NOT_SENT.saying(kept.message())
@@ -517,6 +567,11 @@ class JobLife:
         if sent.skipped:
             await self._say_in_final_state(not_sent.strip())
         return None
+
+    def _send_bounds(self) -> dict[str, Any]:
+        """What :func:`~e31_prefect.staging.upload_outputs` may send: the run's files, bytes and time."""
+        bounds = self.bounds or output_bounds.bounds_for(None, None, None, None)
+        return {"max_entries": bounds.max_files, "max_bytes": bounds.disk_bytes, "time_limit": bounds.send_seconds}
 
     async def _record_skipped(self, job: Job, skipped: tuple[Any, ...]) -> None:
         """An artifact on the run naming each entry of its output dir that was not sent, and why."""
@@ -631,6 +686,8 @@ class JobLife:
             self._owner = None
         if not self.worker.settings.keep_workspaces:
             remove_workspace(self.workspace)
+        else:
+            disk.unmount_under(self.workspace)  # a kept workspace keeps its image file, not a loop device
 
     async def _close(self, ending: Ending | None, outputs: str | None) -> bool:
         for pause in (*CLOSE_RETRY_SECONDS, None):
@@ -674,6 +731,8 @@ class JobLife:
         life.job_name, life.holding = holding.job_name, holding
         life.workspace = Path(holding.workspace)
         life.lease = UUID(holding.lease) if holding.lease else None
+        with contextlib.suppress(TypeError):
+            life.bounds = OutputBounds(**holding.output_bounds) if holding.output_bounds else None
         life.meter = meter_from(holding, folder.record(), worker.settings.stop_grace_seconds)
         life.log.warning("Adopting this run, left by a worker that is gone (pid %s)", holding.worker_pid)
         if folder.spec() is None:
