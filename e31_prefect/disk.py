@@ -30,6 +30,7 @@ from e31_prefect import output_bounds
 from e31_prefect.output_bounds import OutputBounds, Usage
 
 IMAGE_NAME = ".output-disk"  # in the workspace, beside the output dir: root's only (0600)
+INODE_SHARE = 4096  # at most an inode per 4 KiB of disk: its tables take at most 1/16 of it
 RESERVED_INODES = 16  # ext4's own (1-10), lost+found and the root folder, with a margin
 MIN_FREE_BYTES = 64 * 1024
 # ext4 keeps back min(4096 blocks, 2% of them) for its own use, which statvfs still counts as free:
@@ -60,12 +61,22 @@ def mount(workspace: Path, output_dir: Path, bounds: OutputBounds) -> None:
             os.close(fd)
     except OSError as exc:
         raise DiskError(f"the disk image {image} could not be made: {exc}") from None
-    # No journal (a run's scratch survives no crash anyway) and no reserved blocks: request.disk is the job's.
-    _run(["mkfs.ext4", "-q", "-F", "-m", "0", "-O", "^has_journal", "-N", str(bounds.max_files + RESERVED_INODES),
-          "-E", "lazy_itable_init=1,lazy_journal_init=1", str(image)])
-    _run(["mount", "-o", "loop,nosuid,nodev", str(image), str(output_dir)])
+    try:
+        # No journal (a run's scratch survives no crash anyway) and no reserved blocks: request.disk is the job's.
+        _run(["mkfs.ext4", "-q", "-F", "-m", "0", "-O", "^has_journal", "-N", str(inodes(bounds)),
+              "-E", "lazy_itable_init=1,lazy_journal_init=1", str(image)])
+        _run(["mount", "-o", "loop,nosuid,nodev", str(image), str(output_dir)])
+    except DiskError:
+        image.unlink(missing_ok=True)
+        raise
     with contextlib.suppress(OSError):
         os.rmdir(output_dir / "lost+found")  # not the job's, and not an output
+
+
+def inodes(bounds: OutputBounds) -> int:
+    """The output disk's inodes: one per output the pool allows, as far as a 16th of the disk holds them
+    (256 bytes each); a small disk holds fewer files, and filling them is filling the disk."""
+    return min(bounds.max_files + RESERVED_INODES, bounds.disk_bytes // INODE_SHARE)
 
 
 def _run(argv: list[str]) -> None:

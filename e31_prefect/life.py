@@ -217,16 +217,17 @@ class JobLife:
         job = self.admit()
         runtime = runtime_for(job, self.worker, self.configuration)
         await self.check(job, runtime)
-        await self.stage(job)
-        async with AsyncExitStack() as held:
-            placement = await held.enter_async_context(self.rent(job, runtime))
-            supervisor = await self.start_work(placement, runtime)
-            await held.enter_async_context(self.watching(supervisor))
-            record = await supervisor.wait()
-        self.log.info("Work ended (%s, exit code %s); devices %s back in the pool",
-                      record.ending if record else "no record", record.exit_code if record else "?",
-                      [d.index for d in self.devices] or "none")
-        return await self.after_work(job, record, runtime.died)
+        async with self.output_disk():
+            await self.stage(job)
+            async with AsyncExitStack() as held:
+                placement = await held.enter_async_context(self.rent(job, runtime))
+                supervisor = await self.start_work(placement, runtime)
+                await held.enter_async_context(self.watching(supervisor))
+                record = await supervisor.wait()
+            self.log.info("Work ended (%s, exit code %s); devices %s back in the pool",
+                          record.ending if record else "no record", record.exit_code if record else "?",
+                          [d.index for d in self.devices] or "none")
+            return await self.after_work(job, record, runtime.died)
 
     async def _leave(self) -> None:
         """The worker is stopping: a rented run stays with its supervisor (the next worker adopts it);
@@ -297,7 +298,6 @@ class JobLife:
     async def stage(self, job: Job) -> None:
         """Copy the job's data into its workspace, verified and read-only, before any GPU is held."""
         (self.workspace / "output").mkdir(parents=True, exist_ok=True)
-        await self._give_disk()
         try:
             self.storage = await load_job_storage(job.storage, job.team) if job.storage else None
             self.options = self.storage.fsspec_options() if self.storage else None
@@ -309,18 +309,28 @@ class JobLife:
         self.meter.mark("staged", now())
         self.report.step("staged", files=staged.files, bytes=staged.bytes, seconds=round(staged.seconds, 3))
 
-    async def _give_disk(self) -> None:
-        """Mount the run's output disk (:mod:`e31_prefect.disk`) where the host allows; else the worker's watch
-        bounds what the work writes."""
-        assert self.bounds is not None
-        why_not = disk.can_mount()
-        if why_not is None:
+    @asynccontextmanager
+    async def output_disk(self) -> AsyncIterator[None]:
+        """The run's output dir as a disk of its own (:mod:`e31_prefect.disk`) from staging until its outputs
+        are sent, where the host allows; else the worker's watch bounds what the work writes.
+
+        Unmounted once the outputs are sent or kept. A life that ends otherwise (a step failed, the worker
+        is stopping, the API is down) leaves it to the removal of the workspace, which unmounts it where
+        the run is released, here or by the worker that adopts it: its outputs may still be to send.
+        """
+        output_dir = self.workspace / "output"
+        output_dir.mkdir(parents=True, exist_ok=True)
+        why_not = disk.can_mount() if self.bounds is not None else "no bounds"
+        if why_not is None and not os.path.ismount(output_dir):
             try:
-                await anyio.to_thread.run_sync(disk.mount, self.workspace, self.workspace / "output", self.bounds)
-                return
+                await anyio.to_thread.run_sync(disk.mount, self.workspace, output_dir, self.bounds)
             except disk.DiskError as exc:
                 why_not = str(exc)
-        self.log.info("The output dir is not a disk of its own (%s): the worker watches its size and files", why_not)
+        if why_not is not None:
+            self.log.info("The output dir is not a disk of its own (%s): the worker watches its size and files",
+                          why_not)
+        yield
+        await anyio.to_thread.run_sync(disk.unmount_under, self.workspace)
 
     # -- rent -------------------------------------------------------------------------------------
 

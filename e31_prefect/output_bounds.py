@@ -44,7 +44,7 @@ class Usage:
 
     entries: int  # files and folders counted (up to max_files + 1)
     disk_full: bool  # the output disk has no room left (or the bytes counted passed disk_bytes)
-    inodes_full: bool = False  # the output disk has no inode left
+    inodes_full: bool = False  # the output disk has no inode left (no room for one more file)
 
 
 def shorten(path: str, keep: int = 60) -> str:
@@ -73,12 +73,12 @@ def past_bytes(max_bytes: int) -> str:
 
 def overrun(bounds: OutputBounds, usage: Usage) -> Ending | None:
     """The ending a run gets for passing a bound on its outputs; None within them."""
-    if usage.entries > bounds.max_files or usage.inodes_full:
+    if usage.entries > bounds.max_files:
         return endings.TOO_MANY_OUTPUTS.saying(
             f"Too many outputs: the job wrote more than {bounds.max_files} files and folders in its output dir "
             f"(the pool's max_output_files = {bounds.max_files}). The first {bounds.max_files} were kept and sent; "
             "the rest were not. Write fewer, larger files (an archive), or raise the pool's max_output_files.")
-    if usage.disk_full:
+    if usage.disk_full or usage.inodes_full:  # a small disk holds fewer files than the pool allows
         where = "the pool's default_disk" if bounds.disk_from_pool else "request.disk"
         return endings.DISK_LIMIT.saying(
             f"Disk limit: the job filled its {bounds.disk} of disk ({where} = {bounds.disk}); writes past it "
