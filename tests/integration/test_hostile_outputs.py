@@ -28,6 +28,8 @@ from e31_prefect import output_dir
 @flow
 def fill():
     (output_dir() / "first.txt").write_text("written before the disk filled")
+    with open(output_dir() / "sparse.bin", "wb") as sparse:
+        sparse.truncate(8 << 30)  # 8 GiB that take no room: sending them would read 8 GiB of zeros
     with open(output_dir() / "big.bin", "wb") as big:
         for _ in range(200):  # 200 MiB, far past its 16m disk
             big.write(os.urandom(1 << 20))
@@ -105,6 +107,7 @@ def test_a_job_filling_its_disk_ends_disk_limit_keeping_what_it_wrote(runtime, p
     out = tmp_path / "job" / "out"
     assert (out / "first.txt").read_text() == "written before the disk filled"
     assert 0 < (out / "big.bin").stat().st_size <= 16 * 2**20  # what fitted was sent, nothing past it
+    assert not (out / "sparse.bin").exists() and "sparse.bin (past the 16777216 bytes" in state.message
     assert not workspace(run_id).exists()
     assert disk.mounts_under(workspace(run_id).parent) == []
 
@@ -166,8 +169,12 @@ def test_removing_a_workspace_unmounts_its_disk_and_frees_its_loop_device(tmp_pa
     disk.mount(workspace_dir, workspace_dir / "output", OutputBounds("16m", 16 * 2**20, 100, 60.0))
     assert disk.mounts_under(workspace_dir) == [str(workspace_dir / "output")]
     image = str(workspace_dir / disk.IMAGE_NAME)
-    remove_workspace(workspace_dir, cache=False)
-    assert disk.mounts_under(workspace_dir) == [] and not workspace_dir.exists()
+    try:
+        remove_workspace(workspace_dir, cache=False)
+    finally:
+        leftover = disk.mounts_under(workspace_dir)
+        disk.unmount_under(workspace_dir)  # a failing test leaves no mount behind
+    assert leftover == [] and not workspace_dir.exists()
     attached = Path("/sys/block")
     backing = [p.read_text().strip() for p in attached.glob("loop*/loop/backing_file")]
     assert image not in backing and f"{image} (deleted)" not in backing
