@@ -143,3 +143,24 @@ def test_without_a_disk_of_its_own_the_bytes_counted_say_the_disk_is_full(tmp_pa
     bounds = OutputBounds("1k", 1000, 10, 1.0)
     assert disk.measure(tmp_path, bounds) == Usage(1, disk_full=True)
     assert disk.measure(tmp_path, OutputBounds("1m", 2**20, 10, 1.0)) == Usage(1, disk_full=False)
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"  # the worker's own loop
+
+
+@pytest.mark.anyio
+async def test_without_a_disk_of_its_own_the_worker_stops_a_run_writing_past_its_files(tmp_path):
+    from tests.unit.test_life import life_for, run_work
+
+    life = life_for(tmp_path)
+    life.configuration.max_output_files = 20  # the pool's setting
+    # No output disk here (the life's output_disk step is not entered): the worker's watch is the bound.
+    record = await run_work(life, "import os, time\nfor n in range(100000):\n"
+                                  "    open(os.path.join(os.environ['OUT'], str(n)), 'w').close(); time.sleep(0.001)")
+    assert record.ending == "stopped"
+    assert life._passed is not None and life._passed.is_(endings.TOO_MANY_OUTPUTS)
+    assert len(os.listdir(life.workspace / "output")) < 100000
+    ending = await life._bound_passed()  # what after_work ends the run with
+    assert ending is not None and ending.is_(endings.TOO_MANY_OUTPUTS)
