@@ -469,8 +469,9 @@ class JobLife:
                 with contextlib.suppress(Exception):
                     await self._keep_slots()
                     renewed = now()
-            if self._passed is None and await self._over_bounds():
-                supervisor.stop()
+            with contextlib.suppress(OSError):  # a folder the job removes while it is counted: counted next time
+                if self._passed is None and await self._over_bounds():
+                    supervisor.stop()
             with contextlib.suppress(Exception):
                 state = await self.worker.run_states.state(self.run_id)  # one read for all runs here
                 if state is not None and state.is_cancelling():
@@ -594,7 +595,8 @@ class JobLife:
         try:
             await self.worker.client.create_artifact(ArtifactCreate(
                 key=reporting.artifact_key("e31-skipped", job.name), type="markdown",
-                description=f"{len(skipped)} output(s) of {job.name} not sent: links or special files",
+                description=f"{len(skipped)} output(s) of {job.name} not sent: links, special files or past its "
+                            "bounds",
                 data="\n".join(lines), flow_run_id=self.run_id))
         except Exception as exc:  # the log and the final message still name them
             self.log.warning("The artifact naming the outputs not sent could not be created: %s", exc)

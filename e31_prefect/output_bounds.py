@@ -81,9 +81,9 @@ def overrun(bounds: OutputBounds, usage: Usage) -> Ending | None:
     if usage.disk_full or usage.inodes_full:  # a small disk holds fewer files than the pool allows
         where = "the pool's default_disk" if bounds.disk_from_pool else "request.disk"
         return endings.DISK_LIMIT.saying(
-            f"Disk limit: the job filled its {bounds.disk} of disk ({where} = {bounds.disk}); writes past it "
-            "failed. The outputs written up to the limit were kept and sent. Raise request.disk in the job file "
-            "(or the pool's default_disk) to write more.")
+            f"Disk limit: the job filled its {bounds.disk} of disk ({where} = {bounds.disk}); its writes past it "
+            "failed (or it was stopped there). The outputs written up to the limit were kept and sent. Raise "
+            "request.disk in the job file (or the pool's default_disk) to write more.")
     return None
 
 
