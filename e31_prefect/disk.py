@@ -30,7 +30,7 @@ from e31_prefect import output_bounds
 from e31_prefect.output_bounds import OutputBounds, Usage
 
 IMAGE_NAME = ".output-disk"  # in the workspace, beside the output dir: root's only (0600)
-INODE_SHARE = 4096  # at most an inode per 4 KiB of disk: its tables take at most 1/16 of it
+INODE_SHARE = output_bounds.FILE_ROOM_BYTES  # at most an inode per 4 KiB of disk: its tables take 1/16 of it
 RESERVED_INODES = 16  # ext4's own (1-10), lost+found and the root folder, with a margin
 MIN_FREE_BYTES = 64 * 1024
 # ext4 keeps back min(4096 blocks, 2% of them) for its own use, which statvfs still counts as free:

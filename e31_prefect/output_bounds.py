@@ -25,6 +25,7 @@ MAX_OUTPUT_PATH = 1024
 DEFAULT_DISK = "10g"
 DEFAULT_MAX_OUTPUT_FILES = 100_000
 DEFAULT_SEND_SECONDS = 3600
+FILE_ROOM_BYTES = 4096  # an output disk holds at most one file or folder per 4 KiB of it (its inode tables)
 
 
 @dataclass(frozen=True)
@@ -78,8 +79,14 @@ def overrun(bounds: OutputBounds, usage: Usage) -> Ending | None:
             f"Too many outputs: the job wrote more than {bounds.max_files} files and folders in its output dir "
             f"(the pool's max_output_files = {bounds.max_files}). The first {bounds.max_files} were kept and sent; "
             "the rest were not. Write fewer, larger files (an archive), or raise the pool's max_output_files.")
-    if usage.disk_full or usage.inodes_full:  # a small disk holds fewer files than the pool allows
-        where = "the pool's default_disk" if bounds.disk_from_pool else "request.disk"
+    where = "the pool's default_disk" if bounds.disk_from_pool else "request.disk"
+    if usage.inodes_full and not usage.disk_full:  # a small disk holds fewer files than the pool allows
+        return endings.DISK_LIMIT.saying(
+            f"Disk limit: the job filled its disk's room for files and folders ({where} = {bounds.disk} holds "
+            f"one per {FILE_ROOM_BYTES // 1024} KiB); its files past it failed. The outputs written up to the "
+            "limit were kept and sent. Raise request.disk in the job file (or the pool's default_disk), or write "
+            "fewer, larger files.")
+    if usage.disk_full:
         return endings.DISK_LIMIT.saying(
             f"Disk limit: the job filled its {bounds.disk} of disk ({where} = {bounds.disk}); its writes past it "
             "failed (or it was stopped there). The outputs written up to the limit were kept and sent. Raise "

@@ -33,6 +33,11 @@ def test_a_full_disk_ends_disk_limit_naming_request_disk(usage):
     assert "request.disk = 16m" in ending.message and "Raise request.disk" in ending.message
 
 
+def test_a_disk_out_of_room_for_files_says_so_and_how_many_it_holds():
+    ending = overrun(BOUNDS, Usage(3, disk_full=False, inodes_full=True))
+    assert ending is not None and "room for files and folders" in ending.message and "one per 4 KiB" in ending.message
+
+
 def test_a_disk_from_the_pool_default_says_so():
     ending = overrun(bounds_for(None, "32m", 5, 60), Usage(1, disk_full=True))
     assert ending is not None and "the pool's default_disk = 32m" in ending.message
