@@ -1,4 +1,4 @@
-"""Folder trees a job made, walked and removed by directory descriptor, however deep they go.
+"""Folder trees a job made, removed by directory descriptor, however deep they go.
 
     prefect worker start --pool gpu --type e31   (a run's workspace goes when its life ends)
 

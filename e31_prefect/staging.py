@@ -11,8 +11,9 @@ spool (:mod:`e31_prefect.spool`) for ``e31 outputs retry``.
 The paths stay where the job may go (:mod:`e31_prefect.confine`): ``file://``
 inputs come only from the roots the run may read, and never through a link
 out of a staged folder; only the job's own bytes leave its output dir (regular
-files with one name, found without following a link), and what is not sent is
-reported by name.
+files with one name, found without following a link), within the run's bounds
+(:mod:`e31_prefect.output_bounds`: entries, bytes, depth, time), and what is not
+sent is reported by name.
 """
 
 from __future__ import annotations
@@ -379,19 +380,6 @@ def remove_workspace(root: Path, cache: ContentCache | bool = True) -> None:
             logging.getLogger("e31.staging").warning("Releasing %s from the cache failed: %s", path, exc)
 
     fdtree.remove_tree(root, release)
-
-
-def make_writable(root: Path) -> None:
-    """Give folders their write bits back so a workspace can be removed.
-
-    Only folders: removing a file needs its folder writable, not the file, and a staged file may
-    be a hard link to a cache entry, which stays read-only.
-    """
-    if not root.exists():
-        return
-    for path in [root, *root.rglob("*")]:
-        if path.is_dir() and not path.is_symlink():
-            path.chmod(path.stat().st_mode | stat.S_IWUSR)
 
 
 def own_files(output_dir: Path, max_entries: int | None = None,
