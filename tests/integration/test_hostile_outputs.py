@@ -178,3 +178,47 @@ def test_removing_a_workspace_unmounts_its_disk_and_frees_its_loop_device(tmp_pa
     attached = Path("/sys/block")
     backing = [p.read_text().strip() for p in attached.glob("loop*/loop/backing_file")]
     assert image not in backing and f"{image} (deleted)" not in backing
+
+
+FILLS_LATER = """
+import os, time
+from prefect import flow
+from e31_prefect import output_dir
+
+@flow
+def fill_later():
+    (output_dir() / "first.txt").write_text("written before the worker died")
+    time.sleep(8)  # its worker is killed meanwhile: the disk bounds it still
+    with open(output_dir() / "big.bin", "wb") as big:
+        for _ in range(200):
+            big.write(os.urandom(1 << 20))
+"""
+
+
+@pytest.mark.skipif(not ROOT, reason="a disk of the run's own needs a root worker (loop mount)")
+def test_a_run_whose_worker_died_is_bounded_by_its_disk_and_the_adopter_unmounts_it(prefect_server, tmp_path,
+                                                                                    pool):
+    from tests.integration.test_worker_faults import Worker, running_under_supervisor, until
+
+    job = write_job(tmp_path / "job", """
+        name: fills-later
+        work: {flow: flow.py:fill_later}
+        request: {gpus: 0, max_duration: 10m, disk: 16m}
+        output: {to: ./out/}
+        """, flow=FILLS_LATER)
+    submitted = cli("e31", "submit", str(job), "--pool", pool)
+    assert submitted.returncode == 0, submitted.stderr
+    run_id = flow_run_id(submitted.stdout)
+    home = tmp_path / "host"
+    first = Worker(pool, home)
+    until(lambda: running_under_supervisor(home, run_id), 120, "the run starting")
+    assert disk.mounts_under(home / "workspaces" / str(run_id)) != []
+    first.kill()
+    second = Worker(pool, home, "1xH100", "--run-once")
+    assert second.wait(180) == 0, second.output()
+    state = read_run(run_id).state
+    assert state.name == "DiskLimit", (state, second.output())
+    out = tmp_path / "job" / "out"
+    assert (out / "first.txt").read_text() == "written before the worker died"
+    assert (out / "big.bin").stat().st_size <= 16 * 2**20
+    assert disk.mounts_under(home) == [] and not (home / "workspaces" / str(run_id)).exists()
