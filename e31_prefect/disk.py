@@ -9,8 +9,9 @@ the same filesystem through its bind mount), so a job that writes past its disk 
 itself, and nothing it does fills the host. The worker then reads the disk's free space and
 inodes to say which bound was reached (:mod:`e31_prefect.output_bounds`).
 
-Where the worker is not root (no loop mount), :func:`measure` counts what the output dir holds
-and the worker stops the work past a bound (``E31Worker``'s watch of the run).
+Where the worker is not root (no loop mount), the run's supervisor counts what the output dir
+holds every few seconds and stops the work past a bound, whether or not its worker lives
+(:func:`e31_prefect.fdtree.count`); the worker's watch of the run does the same.
 
 The disk is unmounted where a run's workspace is removed (:func:`e31_prefect.staging.remove_workspace`,
 reached by a run's own release and by the adoption of a run whose worker died): a loop mount's
@@ -22,11 +23,10 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import stat
 import subprocess
 from pathlib import Path
 
-from e31_prefect import output_bounds
+from e31_prefect import fdtree, output_bounds
 from e31_prefect.output_bounds import OutputBounds, Usage
 
 IMAGE_NAME = ".output-disk"  # in the workspace, beside the output dir: root's only (0600)
@@ -129,24 +129,7 @@ def measure(output_dir: Path, bounds: OutputBounds) -> Usage:
     Entries are counted up to one past ``max_files`` (the walk stops there) and not below the
     deepest folder an output may be in. A mounted output disk says itself whether it is full.
     """
-    entries = total = 0
-    pending = [output_dir]
-    while pending and entries <= bounds.max_files:
-        folder = pending.pop()
-        try:
-            with os.scandir(folder) as listing:
-                for entry in listing:
-                    entries += 1
-                    if entries > bounds.max_files:
-                        break
-                    info = entry.stat(follow_symlinks=False)
-                    relative = os.path.relpath(entry.path, output_dir)
-                    if stat.S_ISDIR(info.st_mode) and len(relative) <= output_bounds.MAX_OUTPUT_PATH:
-                        pending.append(Path(entry.path))
-                    elif stat.S_ISREG(info.st_mode):
-                        total += info.st_size
-        except OSError:
-            continue
+    entries, total = fdtree.count(output_dir, bounds.max_files, output_bounds.MAX_OUTPUT_PATH)
     if os.path.ismount(output_dir):
         try:
             info = os.statvfs(output_dir)

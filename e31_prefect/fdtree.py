@@ -20,6 +20,9 @@ from pathlib import Path
 
 _FOLDER = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 PATH_MAX = 4096
+# An S3 key is at most 1024 bytes; a longer output path could be sent nowhere, and the walk to it would
+# cost time on folders nested thousands deep (here, not in output_bounds: the supervisor needs it too).
+MAX_OUTPUT_PATH = 1024
 
 # Called with a regular file's path (where it is short enough to name) and its status, before it is removed.
 OnFile = Callable[[str, os.stat_result], None]
@@ -75,6 +78,33 @@ def remove_tree(root: Path, on_file: OnFile | None = None) -> None:
             os.unlink(name, dir_fd=fd)
     with contextlib.suppress(OSError):
         os.rmdir(root)
+
+
+def count(root: Path, max_entries: int, max_path: int) -> tuple[int, int]:
+    """The entries (files and folders) under ``root`` and the bytes of its regular files, never following a link.
+
+    Bounded, so a job cannot make the count costly: the walk stops once it has seen more than
+    ``max_entries``, and enters no folder whose path below ``root`` is longer than ``max_path``.
+    """
+    entries = size = 0
+    pending = [str(root)]
+    base = len(str(root)) + 1
+    while pending and entries <= max_entries:
+        folder = pending.pop()
+        try:
+            with os.scandir(folder) as listing:
+                for entry in listing:
+                    entries += 1
+                    if entries > max_entries:
+                        break
+                    info = entry.stat(follow_symlinks=False)
+                    if stat.S_ISDIR(info.st_mode) and len(entry.path) - base <= max_path:
+                        pending.append(entry.path)
+                    elif stat.S_ISREG(info.st_mode):
+                        size += info.st_size
+        except OSError:  # a folder gone or unreadable: what it held is not counted
+            continue
+    return entries, size
 
 
 def _names(fd: int) -> list[str]:

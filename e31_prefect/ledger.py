@@ -96,6 +96,10 @@ class Spec:
     job_user_locks: str | None = None  # run the process as a uid of its own, claimed in this lock folder
     job_writable: list[str] = field(default_factory=list)  # folders that uid owns (its output dir, its home)
     job_view: list[str] = field(default_factory=list)  # what the job must reach, whatever folders lie above
+    # Where the output dir is no disk of its own: the bounds the supervisor counts it against (None: none).
+    output_dir: str | None = None
+    output_max_entries: int | None = None
+    output_max_bytes: int | None = None
 
 
 @dataclass

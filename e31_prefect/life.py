@@ -422,8 +422,12 @@ class JobLife:
     async def start_work(self, placement: Placement, runtime: Runtime) -> Supervisor:
         """Start the run's supervisor with the devices' locks; it starts the work (a container through
         the runtime) and owns it from then on."""
-        supervisor = await Supervisor.start(self.folder, runtime.spec(placement),
-                                            self.worker.inventory.lock_files(self.run_id))
+        spec = runtime.spec(placement)
+        if self.bounds is not None and not os.path.ismount(placement.output_dir):
+            # No disk of its own: its supervisor counts the output dir, whether or not this worker lives.
+            spec.output_dir, spec.output_max_entries = str(placement.output_dir), self.bounds.max_files
+            spec.output_max_bytes = self.bounds.disk_bytes
+        supervisor = await Supervisor.start(self.folder, spec, self.worker.inventory.lock_files(self.run_id))
         try:
             await runtime.start(placement, supervisor)
         except Exception as exc:
@@ -516,7 +520,8 @@ class JobLife:
         self._save()
         ending = judge(record, await self._flow_state(), died, job, output_tail(self.folder.output_log))
         passed = await self._bound_passed()
-        if passed is not None and (output_bounds.stops_ending(ending) or self._passed is not None):
+        stopped_for_it = self._passed is not None or (record is not None and record.ending == "output-bound")
+        if passed is not None and (output_bounds.stops_ending(ending) or stopped_for_it):
             ending = passed
         if ending is not None:
             self.report.step(ending.event, self.devices)

@@ -18,10 +18,8 @@ from dataclasses import dataclass
 
 from e31_prefect import endings
 from e31_prefect.endings import Ending
+from e31_prefect.fdtree import MAX_OUTPUT_PATH
 
-# An S3 key is at most 1024 bytes; a longer relative path could be sent nowhere, and the walk to it
-# would cost time on folders nested thousands deep.
-MAX_OUTPUT_PATH = 1024
 DEFAULT_DISK = "10g"
 DEFAULT_MAX_OUTPUT_FILES = 100_000
 DEFAULT_SEND_SECONDS = 3600

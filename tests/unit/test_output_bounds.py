@@ -155,17 +155,35 @@ def anyio_backend() -> str:
     return "asyncio"  # the worker's own loop
 
 
+FLOOD = ("import os, time\nfor n in range(100000):\n"
+         "    open(os.path.join(os.environ['OUT'], str(n)), 'w').close(); time.sleep(0.001)")
+
+
 @pytest.mark.anyio
-async def test_without_a_disk_of_its_own_the_worker_stops_a_run_writing_past_its_files(tmp_path):
+async def test_without_a_disk_of_its_own_a_run_writing_past_its_files_is_stopped(tmp_path):
     from tests.unit.test_life import life_for, run_work
 
     life = life_for(tmp_path)
     life.configuration.max_output_files = 20  # the pool's setting
-    # No output disk here (the life's output_disk step is not entered): the worker's watch is the bound.
-    record = await run_work(life, "import os, time\nfor n in range(100000):\n"
-                                  "    open(os.path.join(os.environ['OUT'], str(n)), 'w').close(); time.sleep(0.001)")
-    assert record.ending == "stopped"
-    assert life._passed is not None and life._passed.is_(endings.TOO_MANY_OUTPUTS)
+    # No output disk here (the life's output_disk step is not entered): its watch and supervisor are the bound.
+    record = await run_work(life, FLOOD)
+    assert record.ending in ("stopped", "output-bound")
     assert len(os.listdir(life.workspace / "output")) < 100000
     ending = await life._bound_passed()  # what after_work ends the run with
     assert ending is not None and ending.is_(endings.TOO_MANY_OUTPUTS)
+
+
+@pytest.mark.anyio
+async def test_without_a_disk_of_its_own_the_supervisor_stops_it_though_no_worker_watches(tmp_path):
+    from tests.unit.test_life import CommandRuntime, life_for
+
+    life = life_for(tmp_path)
+    life.configuration.max_output_files = 20
+    job = life.admit()
+    runtime = CommandRuntime(FLOOD)
+    async with life.rent(job, runtime) as placement:
+        placement.output_dir.mkdir(parents=True, exist_ok=True)
+        supervisor = await life.start_work(placement, runtime)
+        record = await supervisor.wait()  # nobody watches: as if the worker had died
+    assert record.ending == "output-bound"
+    assert len(os.listdir(life.workspace / "output")) < 100000
