@@ -62,8 +62,10 @@ NOT_STARTED = Ending("NotStarted", "not-started", StateType.FAILED)
 REPORTED_BY_WORKER = Ending("Completed", "completed-unreported", StateType.COMPLETED)
 OUTPUT_MISSING = Ending("OutputMissing", "output-missing", StateType.FAILED)
 OUTPUT_NOT_SENT = Ending("OutputNotSent", "output-not-sent", StateType.FAILED)
+DISK_LIMIT = Ending("DiskLimit", "disk-limit", StateType.FAILED)
+TOO_MANY_OUTPUTS = Ending("TooManyOutputs", "too-many-outputs", StateType.FAILED)
 WORKER_FAILED = Ending("Crashed", "worker-failed", StateType.CRASHED)
 
 ALL = (DEADLINE_MISSED, INVALID_JOB, STAGING_FAILED, NO_CONTAINER_ENGINE, HOST_CANNOT_RUN, OVER_QUOTA,
        HANDED_BACK, TIMED_OUT, CANCELLED, OUT_OF_MEMORY, PROCESS_DIED, CONTAINER_DIED, NOT_STARTED,
-       REPORTED_BY_WORKER, OUTPUT_MISSING, OUTPUT_NOT_SENT, WORKER_FAILED)
+       REPORTED_BY_WORKER, OUTPUT_MISSING, OUTPUT_NOT_SENT, DISK_LIMIT, TOO_MANY_OUTPUTS, WORKER_FAILED)

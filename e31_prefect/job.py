@@ -140,6 +140,17 @@ def parse_memory(value: str | int) -> int:
     return size
 
 
+MIN_DISK_BYTES = 8 * 1024 * 1024
+
+
+def parse_disk(value: str | int) -> int:
+    """A disk bound in bytes (at least the 8 MiB a filesystem of its own needs)."""
+    size = parse_bytes(value)
+    if size < MIN_DISK_BYTES:
+        raise ValueError("is below the 8 MiB an output disk needs; write e.g. 512m or 20g")
+    return size
+
+
 def check_url(url: str) -> str:
     """Refuse a URL whose scheme no E31 store speaks; plain paths are local files."""
     scheme = urlsplit(url).scheme
@@ -462,6 +473,14 @@ class Request(BaseModel):
         description="Memory limit of a container, no swap (docker runtime): bytes or 512m, 16g, 2Gi.",
         examples=["16g"],
     )
+    disk: str | None = Field(
+        default=None,
+        title="Disk",
+        description="Disk the job may write in its output dir, enforced while it runs (a full disk fails "
+        "its writes and ends the run DiskLimit, keeping what was written): bytes or 512m, 16g, 2Gi. "
+        "Unset: the pool's default_disk.",
+        examples=["20g"],
+    )
     max_duration: Duration | None = Field(
         default=None,
         title="Time limit",
@@ -525,6 +544,19 @@ class Request(BaseModel):
             parse_memory(value)
             return str(value)
         return value
+
+    @field_validator("disk", mode="before")
+    @classmethod
+    def _check_disk(cls, value: Any) -> Any:
+        if value is not None:
+            parse_disk(value)
+            return str(value)
+        return value
+
+    @property
+    def disk_bytes(self) -> int | None:
+        """The disk bound in bytes (None: the pool's default applies)."""
+        return None if self.disk is None else parse_disk(self.disk)
 
     @property
     def memory_bytes(self) -> int | None:

@@ -62,6 +62,7 @@ class Holding:
     storage: str | None = None  # the job's E31 Storage block, to send what it wrote with its credentials
     stop_at: str | None = None  # the time limit: when the supervisor stops the work
     marks: dict[str, str] = field(default_factory=dict)
+    output_bounds: dict[str, Any] = field(default_factory=dict)  # its OutputBounds: its disk, files, time to send
 
     def marks_as_datetimes(self) -> dict[str, datetime]:
         """The meter marks recorded so far."""
@@ -98,6 +99,10 @@ class Spec:
     job_hidden: list[str] = field(default_factory=list)  # host folders the job must not see (e31's lock folders)
     job_temp_bytes: int = 2 * 2**30  # the size bound of each of its private temp folders (/tmp, /dev/shm ...)
     job_uids: list[int] = field(default_factory=lambda: [61000, 61999])  # the uids it may run as, first and last
+    # Where the output dir is no disk of its own: the bounds the supervisor counts it against (None: none).
+    output_dir: str | None = None
+    output_max_entries: int | None = None
+    output_max_bytes: int | None = None
 
 
 @dataclass

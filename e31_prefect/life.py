@@ -16,6 +16,7 @@ to the next worker; one that had not rented yet hands its run back to the pool.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 import socket
@@ -33,7 +34,19 @@ import httpx
 from prefect.client.schemas.objects import FlowRun, State
 from prefect.exceptions import ObjectNotFound
 
-from e31_prefect import cgroups, endings, keyboard, quotas, reporting, results, shards, spool, timing
+from e31_prefect import (
+    cgroups,
+    disk,
+    endings,
+    keyboard,
+    output_bounds,
+    quotas,
+    reporting,
+    results,
+    shards,
+    spool,
+    timing,
+)
 from e31_prefect.blocks import StorageBlockError, load_job_storage
 from e31_prefect.command_flow import COMMAND_FLOW_ENTRYPOINT
 from e31_prefect.endings import Ending
@@ -42,6 +55,7 @@ from e31_prefect.inventory import Device, pick_devices
 from e31_prefect.job import Job, JobError
 from e31_prefect.ledger import Holding, Record, RunFolder, now, output_tail, this_process
 from e31_prefect.meter import Meter, work_end
+from e31_prefect.output_bounds import OutputBounds
 from e31_prefect.runtimes import Placement, Runtime, runtime_for
 from e31_prefect.staging import (
     StagingError,
@@ -169,6 +183,8 @@ class JobLife:
         self._started = False
         self._detached = False
         self._owner = owner  # the run's owner lock in the ledger folder, from taking the run to release
+        self.bounds: OutputBounds | None = None  # what it may write and send (admit, or its ledger entry)
+        self._passed: Ending | None = None  # a bound the worker's watch stopped the work for
 
     # -- the whole life ---------------------------------------------------------------------------
 
@@ -214,19 +230,20 @@ class JobLife:
         job = self.admit()
         runtime = runtime_for(job, self.worker, self.configuration)
         await self.check(job, runtime)
-        await self.stage(job)
-        async with AsyncExitStack() as held:
-            placement = await held.enter_async_context(self.rent(job, runtime))
-            supervisor = await self.start_work(placement, runtime)
-            await held.enter_async_context(self.watching(supervisor))
-            record = await supervisor.wait()
-        runtime.ended()
-        if record is not None and record.ending == "not-started" and self.start_error:
-            record.message = self.start_error
-        self.log.info("Work ended (%s, exit code %s); devices %s back in the pool",
-                      record.ending if record else "no record", record.exit_code if record else "?",
-                      [d.index for d in self.devices] or "none")
-        return await self.after_work(job, record, runtime.died)
+        async with self.output_disk():
+            await self.stage(job)
+            async with AsyncExitStack() as held:
+                placement = await held.enter_async_context(self.rent(job, runtime))
+                supervisor = await self.start_work(placement, runtime)
+                await held.enter_async_context(self.watching(supervisor))
+                record = await supervisor.wait()
+            runtime.ended()
+            if record is not None and record.ending == "not-started" and self.start_error:
+                record.message = self.start_error
+            self.log.info("Work ended (%s, exit code %s); devices %s back in the pool",
+                          record.ending if record else "no record", record.exit_code if record else "?",
+                          [d.index for d in self.devices] or "none")
+            return await self.after_work(job, record, runtime.died)
 
     async def _leave(self) -> None:
         """The worker is stopping: a rented run stays with its supervisor (the next worker adopts it);
@@ -267,6 +284,12 @@ class JobLife:
         if refused:
             raise Ends(endings.INVALID_JOB.saying("The run's worker settings are not valid:\n"
                                                   + "\n".join(map(str, refused))))
+        try:
+            pool = {name: getattr(self.configuration, name, None)
+                    for name in ("default_disk", "max_output_files", "output_send_seconds")}
+            self.bounds = output_bounds.bounds_for(job.request.disk, **pool)
+        except ValueError as exc:
+            raise Ends(endings.INVALID_JOB.saying(f"The run's worker settings are not valid:\n{exc}")) from None
         self._destination(job)  # a destination the run may not write ends it here, before anything is held
         deadline = timing.resolve_deadline(job.request.deadline, scheduled_start(self.flow_run), job.tz)
         latest = timing.latest_start(deadline, job.admission_duration)
@@ -308,6 +331,29 @@ class JobLife:
             raise Ends(endings.STAGING_FAILED.saying(f"Staging failed before any GPU was rented: {exc}")) from None
         self.meter.mark("staged", now())
         self.report.step("staged", files=staged.files, bytes=staged.bytes, seconds=round(staged.seconds, 3))
+
+    @asynccontextmanager
+    async def output_disk(self) -> AsyncIterator[None]:
+        """The run's output dir as a disk of its own (:mod:`e31_prefect.disk`) from staging until its outputs
+        are sent, where the host allows; else the worker's watch bounds what the work writes.
+
+        Unmounted once the outputs are sent or kept. A life that ends otherwise (a step failed, the worker
+        is stopping, the API is down) leaves it to the removal of the workspace, which unmounts it where
+        the run is released, here or by the worker that adopts it: its outputs may still be to send.
+        """
+        output_dir = self.workspace / "output"
+        output_dir.mkdir(parents=True, exist_ok=True)
+        why_not = disk.can_mount() if self.bounds is not None else "no bounds"
+        if why_not is None and not os.path.ismount(output_dir):
+            try:
+                await anyio.to_thread.run_sync(disk.mount, self.workspace, output_dir, self.bounds)
+            except disk.DiskError as exc:
+                why_not = str(exc)
+        if why_not is not None:
+            self.log.info("The output dir is not a disk of its own (%s): the worker watches its size and files",
+                          why_not)
+        yield
+        await anyio.to_thread.run_sync(disk.unmount_under, self.workspace)
 
     # -- rent -------------------------------------------------------------------------------------
 
@@ -385,7 +431,8 @@ class JobLife:
             job=job.model_dump(mode="json", by_alias=True), pool=self.worker._work_pool_name,
             destination=self._destination(job), lease=str(self.lease) if self.lease else None,
             runtime=runtime.name, gpus=len(self.devices), team=job.team, storage=job.storage,
-            stop_at=stop_at.isoformat() if stop_at else None)
+            stop_at=stop_at.isoformat() if stop_at else None,
+            output_bounds=dataclasses.asdict(self.bounds) if self.bounds else {})
         self._save()
 
     def _save(self) -> None:
@@ -399,8 +446,12 @@ class JobLife:
     async def start_work(self, placement: Placement, runtime: Runtime) -> Supervisor:
         """Start the run's supervisor with the devices' locks; it starts the work (a container through
         the runtime) and owns it from then on."""
-        supervisor = await Supervisor.start(self.folder, runtime.spec(placement),
-                                            self.worker.inventory.lock_files(self.run_id))
+        spec = runtime.spec(placement)
+        if self.bounds is not None and not os.path.ismount(placement.output_dir):
+            # No disk of its own: its supervisor counts the output dir, whether or not this worker lives.
+            spec.output_dir, spec.output_max_entries = str(placement.output_dir), self.bounds.max_files
+            spec.output_max_bytes = self.bounds.disk_bytes
+        supervisor = await Supervisor.start(self.folder, spec, self.worker.inventory.lock_files(self.run_id))
         try:
             await runtime.start(placement, supervisor)
         except Exception as exc:
@@ -447,11 +498,25 @@ class JobLife:
                 with contextlib.suppress(Exception):
                     await self._keep_slots()
                     renewed = now()
+            with contextlib.suppress(OSError):  # a folder the job removes while it is counted: counted next time
+                if self._passed is None and await self._over_bounds():
+                    supervisor.stop()
             with contextlib.suppress(Exception):
                 state = await self.worker.run_states.state(self.run_id)  # one read for all runs here
                 if state is not None and state.is_cancelling():
                     self.log.info("Cancellation requested: stopping the run")
                     supervisor.stop()
+
+    async def _over_bounds(self) -> bool:
+        """Where the output dir is no disk of its own, whether the work wrote past its bounds (then it is stopped)."""
+        output_dir = self.workspace / "output"
+        if self.bounds is None or os.path.ismount(output_dir):
+            return False  # the kernel bounds a disk of its own
+        usage = await anyio.to_thread.run_sync(disk.measure, output_dir, self.bounds)
+        self._passed = output_bounds.overrun(self.bounds, usage)
+        if self._passed is not None:
+            self.log.error("%s The work is stopped.", self._passed.message)
+        return self._passed is not None
 
     async def _keep_slots(self) -> None:
         """Renew the run's quota lease; one that expired (its worker died, the API was down longer than a
@@ -479,6 +544,10 @@ class JobLife:
         self.worker.meters[self.run_id] = self.meter
         self._save()
         ending = judge(record, await self._flow_state(), died, job, output_tail(self.folder.output_log))
+        passed = await self._bound_passed()
+        stopped_for_it = self._passed is not None or (record is not None and record.ending == "output-bound")
+        if passed is not None and (output_bounds.stops_ending(ending) or stopped_for_it):
+            ending = passed
         if ending is not None:
             self.report.step(ending.event, self.devices)
             await self._set_state(ending)
@@ -486,6 +555,13 @@ class JobLife:
         if sent is not None:
             await self._set_state(sent)
         return sent or ending
+
+    async def _bound_passed(self) -> Ending | None:
+        """The ending for a bound the work passed (its disk, its number of outputs), if it did."""
+        if self.bounds is None:
+            return self._passed
+        usage = await anyio.to_thread.run_sync(disk.measure, self.workspace / "output", self.bounds)
+        return output_bounds.overrun(self.bounds, usage) or self._passed
 
     async def _flow_state(self) -> State | None:
         return (await self.worker.client.read_flow_run(self.run_id)).state
@@ -502,13 +578,15 @@ class JobLife:
         output_dir = self.workspace / "output"
         destination = self.holding.destination or self._destination(job)
         try:
-            sent = await anyio.to_thread.run_sync(upload_outputs, output_dir, destination, self.options, 3, 1.0,
-                                                  self.log, abandon_on_cancel=True)
+            sent = await anyio.to_thread.run_sync(functools.partial(
+                upload_outputs, output_dir, destination, self.options, 3, 1.0, self.log, **self._send_bounds()),
+                abandon_on_cancel=True)
         except UploadError as exc:
             state = await self._flow_state()
-            kept = await anyio.to_thread.run_sync(
+            bounded = self._send_bounds()
+            kept = await anyio.to_thread.run_sync(functools.partial(
                 spool.keep, output_dir, self.worker.settings.spool, str(self.run_id), destination, job.storage,
-                job.name, state.name if state else None, str(exc))
+                job.name, state.name if state else None, str(exc), bounded["max_entries"], bounded["max_bytes"]))
             self.holding.destination = kept.outputs_url
             await spool.record_kept(self.worker.client, self.run_id, kept)
             return endings.OUTPUT_NOT_SENT.saying(kept.message())
@@ -531,6 +609,11 @@ class JobLife:
             await self._say_in_final_state(not_sent.strip())
         return None
 
+    def _send_bounds(self) -> dict[str, Any]:
+        """What :func:`~e31_prefect.staging.upload_outputs` may send: the run's files, bytes and time."""
+        bounds = self.bounds or output_bounds.bounds_for(None, None, None, None)
+        return {"max_entries": bounds.max_files, "max_bytes": bounds.disk_bytes, "time_limit": bounds.send_seconds}
+
     async def _record_skipped(self, job: Job, skipped: tuple[Any, ...]) -> None:
         """An artifact on the run naming each entry of its output dir that was not sent, and why."""
         from prefect.client.schemas.actions import ArtifactCreate
@@ -542,7 +625,8 @@ class JobLife:
         try:
             await self.worker.client.create_artifact(ArtifactCreate(
                 key=reporting.artifact_key("e31-skipped", job.name), type="markdown",
-                description=f"{len(skipped)} output(s) of {job.name} not sent: links or special files",
+                description=f"{len(skipped)} output(s) of {job.name} not sent: links, special files or past its "
+                            "bounds",
                 data="\n".join(lines), flow_run_id=self.run_id))
         except Exception as exc:  # the log and the final message still name them
             self.log.warning("The artifact naming the outputs not sent could not be created: %s", exc)
@@ -644,6 +728,8 @@ class JobLife:
             self._owner = None
         if not self.worker.settings.keep_workspaces:
             remove_workspace(self.workspace)
+        else:
+            disk.unmount_under(self.workspace)  # a kept workspace keeps its image file, not a loop device
 
     async def _close(self, ending: Ending | None, outputs: str | None) -> bool:
         for pause in (*CLOSE_RETRY_SECONDS, None):
@@ -687,6 +773,8 @@ class JobLife:
         life.job_name, life.holding = holding.job_name, holding
         life.workspace = Path(holding.workspace)
         life.lease = UUID(holding.lease) if holding.lease else None
+        with contextlib.suppress(TypeError):
+            life.bounds = OutputBounds(**holding.output_bounds) if holding.output_bounds else None
         life.meter = meter_from(holding, folder.record(), worker.settings.stop_grace_seconds)
         life.log.warning("Adopting this run, left by a worker that is gone (pid %s)", holding.worker_pid)
         if folder.spec() is None:

@@ -19,6 +19,7 @@ followed, and the manifest and the run's message name it.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import logging
@@ -31,6 +32,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 from uuid import UUID
 
+from e31_prefect import store
 from e31_prefect.confine import Skipped, skipped_summary
 from e31_prefect.staging import UploadError, own_files, upload_outputs
 
@@ -88,21 +90,23 @@ class Kept:
 
 
 def keep(output_dir: Path, spool: Path, flow_run_id: str, destination: str | None, storage: str | None = None,
-         job_name: str | None = None, flow_state: str | None = None, reason: str = "") -> Kept:
+         job_name: str | None = None, flow_state: str | None = None, reason: str = "",
+         max_entries: int | None = None, max_bytes: int | None = None) -> Kept:
     """Move a run's own output files into the spool with a manifest; returns what was kept.
 
     A run kept twice (its outputs failed again) gathers every file in the one entry. Links and special
-    files are left where they are (the workspace goes with them) and named in the manifest.
+    files are left where they are (the workspace goes with them) and named in the manifest, as are the
+    outputs past the run's bounds (``max_entries``, ``max_bytes``: :func:`e31_prefect.staging.own_files`).
     """
     entry = spool / flow_run_id
     outputs = entry / "outputs"
     spool.mkdir(mode=0o700, parents=True, exist_ok=True)  # every run's outputs: closed to jobs
     outputs.mkdir(parents=True, exist_ok=True)
-    files, skipped = own_files(output_dir)
+    files, skipped = own_files(output_dir, max_entries, max_bytes)
     for path in files:
         target = outputs / path.relative_to(output_dir)
         target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.move(path, target)  # a rename on one filesystem; a copy of the file itself across two
+        _move(path, target)
     earlier = read(spool, flow_run_id)
     found = [{"path": p.relative_to(outputs).as_posix(), "size": p.stat().st_size}
              for p in sorted(outputs.rglob("*")) if p.is_file() and not p.is_symlink()]
@@ -114,6 +118,20 @@ def keep(output_dir: Path, spool: Path, flow_run_id: str, destination: str | Non
                 entry=str(entry), kept_at=datetime.now(timezone.utc).isoformat(timespec="seconds"))
     _write_manifest(kept)
     return kept
+
+
+def _move(path: Path, target: Path) -> None:
+    """A rename on one filesystem; across two (a run's output disk), a copy of the file itself, read through
+    a descriptor that is still the regular file the walk found (never through a link put there since)."""
+    try:
+        os.rename(path, target)
+        return
+    except OSError as exc:
+        if exc.errno != errno.EXDEV:
+            raise
+    with store.open_own(path, was="listed", then="kept") as source:
+        store.put_local(source, os.path.realpath(target.parent) + "/" + target.name)
+    path.unlink()
 
 
 def _write_manifest(kept: Kept) -> None:

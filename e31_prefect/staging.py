@@ -11,16 +11,16 @@ spool (:mod:`e31_prefect.spool`) for ``e31 outputs retry``.
 The paths stay where the job may go (:mod:`e31_prefect.confine`): ``file://``
 inputs come only from the roots the run may read, and never through a link
 out of a staged folder; only the job's own bytes leave its output dir (regular
-files with one name, found without following a link), and what is not sent is
-reported by name.
+files with one name, found without following a link), within the run's bounds
+(:mod:`e31_prefect.output_bounds`: entries, bytes, depth, time), and what is not
+sent is reported by name.
 """
 
 from __future__ import annotations
 
-import contextlib
+import itertools
 import logging
 import os
-import shutil
 import stat
 import threading
 import time
@@ -357,54 +357,46 @@ def _make_read_only(root: Path) -> None:
 def remove_workspace(root: Path, cache: ContentCache | bool = True) -> None:
     """Remove a run's workspace, its read-only data included (hard links to the cache stay in the cache).
 
-    A file linked from the host's content cache is removed by the cache (``cache``: True for the
-    host's, False for none), which records its entry anew: otherwise the next job to stage it would
-    take the entry's moved change time for a write and fetch it again.
+    Its output disk (:mod:`e31_prefect.disk`) is unmounted first. The tree is removed by directory
+    descriptor (:func:`e31_prefect.fdtree.remove_tree`): a job may nest folders past ``PATH_MAX``,
+    deeper than a path or Python's recursion reaches. A file linked from the host's content cache
+    is removed by the cache (``cache``: True for the host's, False for none), which records its
+    entry anew: otherwise the next job to stage it would take the entry's moved change time for a
+    write and fetch it again.
     """
-    if not root.exists():
+    from e31_prefect import disk, fdtree
+
+    disk.unmount_under(root)
+    if not os.path.lexists(root):
         return
-    make_writable(root)
     content_cache = host_cache() if cache is True else (cache or None)
-    if content_cache is not None:
-        for path in _linked_files(root):
-            try:
-                content_cache.release(path)
-            except OSError as exc:  # the workspace goes anyway; the entry is only fetched again next time
-                logging.getLogger("e31.staging").warning("Releasing %s from the cache failed: %s", path, exc)
-    shutil.rmtree(root, ignore_errors=True)
+
+    def release(path: str, info: os.stat_result) -> None:
+        if content_cache is None or info.st_nlink < 2:
+            return
+        try:
+            content_cache.release(Path(path))
+        except OSError as exc:  # the workspace goes anyway; the entry is only fetched again next time
+            logging.getLogger("e31.staging").warning("Releasing %s from the cache failed: %s", path, exc)
+
+    fdtree.remove_tree(root, release)
 
 
-def _linked_files(root: Path) -> Iterable[Path]:
-    """Regular files under ``root`` with more than one name (``os.walk`` follows no link to a folder)."""
-    for folder, _folders, files in os.walk(root):
-        for name in files:
-            path = Path(folder) / name
-            with contextlib.suppress(OSError):
-                info = path.lstat()
-                if stat.S_ISREG(info.st_mode) and info.st_nlink > 1:
-                    yield path
-
-
-def make_writable(root: Path) -> None:
-    """Give folders their write bits back so a workspace can be removed.
-
-    Only folders: removing a file needs its folder writable, not the file, and a staged file may
-    be a hard link to a cache entry, which stays read-only.
-    """
-    if not root.exists():
-        return
-    for path in [root, *root.rglob("*")]:
-        if path.is_dir() and not path.is_symlink():
-            path.chmod(path.stat().st_mode | stat.S_IWUSR)
-
-
-def own_files(output_dir: Path) -> tuple[list[Path], list[Skipped]]:
+def own_files(output_dir: Path, max_entries: int | None = None,
+              max_bytes: int | None = None) -> tuple[list[Path], list[Skipped]]:
     """The job's own files under ``output_dir`` and what is not sent, found without following any link.
 
     Only regular files with one name are the job's own bytes (:func:`e31_prefect.confine.not_sent_because`);
     links, hard links and special files are returned as skipped, with why (a link with its target),
     so the caller can say which. A missing output dir holds nothing.
+
+    The walk is bounded, so a job cannot buy unbilled worker time with its outputs: a folder nested
+    deeper than :data:`~e31_prefect.output_bounds.MAX_OUTPUT_PATH` bytes of path is not entered (nor a
+    file named so deep sent: no store takes such a key), the walk stops after ``max_entries`` entries
+    (files and folders), and files past ``max_bytes`` in all are not sent; each is named as skipped.
     """
+    from e31_prefect import output_bounds
+
     try:
         top = os.lstat(output_dir)
     except FileNotFoundError:
@@ -415,24 +407,38 @@ def own_files(output_dir: Path) -> tuple[list[Path], list[Skipped]]:
     files: list[Path] = []
     skipped: list[Skipped] = []
     pending = [output_dir]
+    entries_seen = total = 0
     while pending:
         folder = pending.pop()
         try:
             with os.scandir(folder) as listing:
-                entries = list(listing)
+                # Bounded: a folder of a million entries is not read past the bound.
+                entries = list(itertools.islice(listing, None if max_entries is None
+                                                else max_entries - entries_seen + 1))
         except OSError as exc:
             skipped.append(Skipped(_relative(folder, output_dir), f"a folder that could not be read: {exc.strerror}"))
             continue
         for entry in entries:
             path = Path(entry.path)
+            relative = _relative(path, output_dir)
+            if max_entries is not None and entries_seen >= max_entries:
+                skipped.append(Skipped("...", output_bounds.past_entries(max_entries)))
+                return sorted(files), sorted(skipped, key=lambda s: s.path)
+            entries_seen += 1
+            if len(relative.encode(errors="surrogateescape")) > output_bounds.MAX_OUTPUT_PATH:
+                skipped.append(Skipped(output_bounds.shorten(relative), output_bounds.too_deep(relative)))
+                continue
             info = entry.stat(follow_symlinks=False)
             why = confine.not_sent_because(info.st_mode, info.st_nlink)
             if stat.S_ISDIR(info.st_mode):
                 pending.append(path)
+            elif why is None and max_bytes is not None and total + info.st_size > max_bytes:
+                skipped.append(Skipped(relative, output_bounds.past_bytes(max_bytes)))
             elif why is None:
                 files.append(path)
+                total += info.st_size
             else:
-                skipped.append(Skipped(_relative(path, output_dir), why + _target(path, info)))
+                skipped.append(Skipped(relative, why + _target(path, info)))
     return sorted(files), sorted(skipped, key=lambda s: s.path)
 
 
@@ -482,18 +488,24 @@ def upload_outputs(
     attempts: int = 3,
     backoff_seconds: float = 1.0,
     log: Log | None = None,
+    max_entries: int | None = None,
+    max_bytes: int | None = None,
+    time_limit: float | None = None,
 ) -> Transfer:
     """Send the job's own files under ``output_dir`` to ``destination``, many at once, verified, retried.
 
     Only what :func:`own_files` finds is sent: a link, hard link or special file the job left is
-    not followed, and is returned in the transfer's ``skipped`` (and logged). A local destination
-    is written only through real folders (:func:`e31_prefect.store.put_local`): give its real path.
+    not followed, and is returned in the transfer's ``skipped`` (and logged); so are the outputs
+    past ``max_entries`` or ``max_bytes``. A local destination is written only through real folders
+    (:func:`e31_prefect.store.put_local`): give its real path.
 
     An attempt stops at its first failure (a store that is down fails every file alike); the next
-    one sends only the files not yet verified in the store.
+    one sends only the files not yet verified in the store. Sending takes at most ``time_limit``
+    seconds (worker time nobody is billed for): past it, :class:`UploadError` says what was left.
     """
     started = time.monotonic()
-    files, skipped = own_files(output_dir)
+    stop_at = started + time_limit if time_limit is not None else None
+    files, skipped = own_files(output_dir, max_entries, max_bytes)
     if skipped and log:
         log.warning("Not sending %s", confine.skipped_summary(skipped))
     sizes = {path: path.lstat().st_size for path in files}
@@ -503,9 +515,13 @@ def upload_outputs(
     progress = Progress("Sending outputs:", len(files), total, log)
     pending = files
     for attempt in range(1, attempts + 1):
-        pending, error = _send(fs, pending, output_dir, root, progress, sizes)
+        pending, error = _send(fs, pending, output_dir, root, progress, sizes, stop_at)
         if not pending:
             break
+        if stop_at is not None and time.monotonic() >= stop_at:
+            raise UploadError(f"output sending stopped at its time limit of {time_limit:g} s (the pool's "
+                              f"output_send_seconds): {len(pending)} of {len(files)} file(s) not sent; send fewer "
+                              "bytes, or raise the pool's output_send_seconds")
         cause = store.explain(destination, error, reading=False) if error else "not sent"
         if attempt == attempts:
             raise UploadError(f"output {cause} ({len(pending)} of {len(files)} file(s) not sent "
@@ -520,13 +536,13 @@ def upload_outputs(
 
 
 def _send(fs: Any, files: list[Path], base: Path, root: str, progress: Progress,
-          sizes: dict[Path, int]) -> tuple[list[Path], BaseException | None]:
-    """Send ``files``; returns those not sent and the first error."""
+          sizes: dict[Path, int], stop_at: float | None = None) -> tuple[list[Path], BaseException | None]:
+    """Send ``files`` (none started after ``stop_at``); returns those not sent and the first error."""
     stop = threading.Event()
     errors: list[BaseException] = []
 
     def put(path: Path) -> bool:
-        if stop.is_set():
+        if stop.is_set() or (stop_at is not None and time.monotonic() >= stop_at):
             return False
         try:
             store.put_file(fs, path, f"{root}/{path.relative_to(base).as_posix()}")

@@ -38,12 +38,13 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any, Protocol
 
-from e31_prefect import cgroups, job_users, leftovers, sandbox
+from e31_prefect import cgroups, fdtree, job_users, leftovers, sandbox
 from e31_prefect.gateway import Gateway, auth_header
 from e31_prefect.ledger import Record, RunFolder, Spec, append_line, moment, now, this_process
 
 PR_SET_CHILD_SUBREAPER = 36
 KILL_RETRY_SECONDS = 1.0
+OUTPUT_COUNT_SECONDS = 2.0  # how often an output dir that is no disk of its own is counted against its bounds
 CONTAINER_STOP_EXTRA_SECONDS = 5.0  # past the grace, a container that did not stop is killed, then removed
 
 
@@ -349,6 +350,7 @@ class Supervisor:
         self.kill_at: datetime | None = None
         self.report_by: datetime | None = None
         self.ending = threading.Event()  # the work said it ended or is being stopped: its run may end (gateway)
+        self.outputs_counted = time.monotonic()
 
     def save(self) -> None:
         """Write the record as it stands."""
@@ -428,9 +430,24 @@ class Supervisor:
                 self._begin_stop("report-overdue", at, 0.0)
             elif self.report_by is None and self.stop_at is not None and at >= self.stop_at:
                 self._begin_stop("time-limit", at, self.spec.grace_seconds)
+            elif self._outputs_past_bounds():
+                self._begin_stop("output-bound", at, self.spec.grace_seconds)
         elif self.kill_at is not None and at >= self.kill_at:
             self.work.kill()
             self.kill_at = at + timedelta(seconds=KILL_RETRY_SECONDS)
+
+    def _outputs_past_bounds(self) -> bool:
+        """Where the output dir is no disk of its own (the kernel bounds one), whether the work wrote past its
+        bounds; counted every few seconds, the count itself bounded."""
+        spec = self.spec
+        if spec.output_dir is None or spec.output_max_entries is None:
+            return False
+        if time.monotonic() - self.outputs_counted < OUTPUT_COUNT_SECONDS:
+            return False
+        self.outputs_counted = time.monotonic()
+        entries, size = fdtree.count(Path(spec.output_dir), spec.output_max_entries, fdtree.MAX_OUTPUT_PATH)
+        return entries > spec.output_max_entries or (spec.output_max_bytes is not None
+                                                    and size > spec.output_max_bytes)
 
     def _begin_stop(self, reason: str, at: datetime, grace: float) -> None:
         self.record.stop_reason, self.record.stop_requested = reason, at.isoformat()
@@ -456,6 +473,8 @@ class Supervisor:
             self.record.ending = "timed-out"
         elif reason == "stop-requested":
             self.record.ending = "stopped"
+        elif reason == "output-bound":
+            self.record.ending = "output-bound"
         else:
             self.record.ending = "exited"
         self.save()

@@ -39,7 +39,17 @@ from prefect.workers.base import BaseVariables, BaseWorkerResult
 from prefect_docker.worker import DockerWorker, DockerWorkerJobConfiguration
 from pydantic import Field, PrivateAttr, create_model
 
-from e31_prefect import backlog, endings, home_files, inventories, plan_artifact, quotas, reporting, timing
+from e31_prefect import (
+    backlog,
+    endings,
+    home_files,
+    inventories,
+    output_bounds,
+    plan_artifact,
+    quotas,
+    reporting,
+    timing,
+)
 from e31_prefect.backlog_watch import Page, WatchedBacklog
 from e31_prefect.blocks import E31Storage
 from e31_prefect.command_flow import COMMAND_FLOW_ENTRYPOINT
@@ -108,6 +118,21 @@ class _PoolSettings(BaseVariables):
         description="Send containers a device request for their GPUs: auto (when the engine has the NVIDIA "
         "runtime), on or off. The visible-devices variables are always set.",
         examples=["auto"])
+    default_disk: str = Field(
+        default=output_bounds.DEFAULT_DISK, title="Default disk",
+        description="Disk a run may write in its output dir when its job sets no request.disk (bytes or 512m, "
+        "16g, 2Gi). A run that fills it ends DiskLimit, keeping what it wrote.",
+        examples=["20g"])
+    max_output_files: int = Field(
+        default=output_bounds.DEFAULT_MAX_OUTPUT_FILES, title="Most output files",
+        description="Files and folders a run may leave in its output dir. A run past it ends TooManyOutputs and "
+        "the first ones are sent.",
+        examples=[100000])
+    output_send_seconds: int = Field(
+        default=output_bounds.DEFAULT_SEND_SECONDS, title="Time to send outputs",
+        description="Seconds a run's outputs may take to send (on unbilled worker time); what is left then "
+        "stays in the spool (e31 outputs retry), the run OutputNotSent.",
+        examples=[3600])
 
 
 E31Variables = create_model("E31Variables", __base__=_PoolSettings, __module__=__name__, **_docker_fields(),
@@ -120,6 +145,10 @@ class _Configuration(DockerWorkerJobConfiguration):
 
     gpu_device_requests: containers.GpuRequests = Field(default="auto")
     image: str | None = Field(default=None)  # a job's image is its work.image; no default is computed
+    # The pool's bounds on outputs, raw: a bad value fails its run naming it (output_bounds.bounds_for).
+    default_disk: Any = Field(default=None)
+    max_output_files: Any = Field(default=None)
+    output_send_seconds: Any = Field(default=None)
 
     _job_name: str = PrivateAttr(default="job")
     _command_given: str | None = PrivateAttr(default=None)

@@ -316,7 +316,7 @@ def test_unknown_data_field_suggests_the_alias_from():
 def test_unknown_field_without_a_close_name_lists_the_fields():
     problem = only_problem(base_job(zzzzz=1))
     assert problem.fix == (
-        "is not a job field; the fields here are gpus, gpu_type, cpus, memory, max_duration, until_done, "
+        "is not a job field; the fields here are gpus, gpu_type, cpus, memory, disk, max_duration, until_done, "
         "expected_duration, start, deadline, priority"
     )
 
