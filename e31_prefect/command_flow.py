@@ -20,6 +20,7 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
+from e31_prefect.gateway import SHARD_FAILURES_KEY, SHARDS_PROGRESS_KEY
 from e31_prefect.shard_runner import Attempt, ShardProcess, program, take_early
 from e31_prefect.shards import (
     SHARDS_VARIABLE,
@@ -33,8 +34,7 @@ from e31_prefect.shards import (
 
 COMMAND_FLOW_NAME = "e31-command"
 COMMAND_FLOW_ENTRYPOINT = "e31_prefect.command_flow.run_command"
-PROGRESS_KEY = "e31-shards"
-FAILURES_KEY = "e31-shard-failures"
+PROGRESS_KEY, FAILURES_KEY = SHARDS_PROGRESS_KEY, SHARD_FAILURES_KEY  # written from the job, so its gateway passes them
 LOG_COUNTS_EVERY_S = 30.0  # shard counts in the run's logs: often enough to follow, rare enough to read
 
 

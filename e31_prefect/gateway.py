@@ -64,6 +64,8 @@ SUBFLOW_FIELDS = {"flow_id", "flow_version", "name", "parameters", "context", "t
 RUN_UPDATE_FIELDS = {"name", "flow_version", "empirical_policy"}  # the engine's PATCH: its name, its retries
 LABELS = {"__OTEL_TRACEPARENT"}  # the engine's only label (prefect.telemetry.run_telemetry)
 ARTIFACT_UPDATE_FIELDS = {"data", "description", "metadata_"}
+SHARDS_PROGRESS_KEY, SHARD_FAILURES_KEY = "e31-shards", "e31-shard-failures"  # e31's command flow's, in the job
+JOB_ARTIFACT_KEYS = {SHARDS_PROGRESS_KEY, SHARD_FAILURES_KEY}
 
 
 def worker_marked(name: Any) -> bool:
@@ -211,12 +213,13 @@ def _own_entries(owned: Owned, ids: tuple[str, ...], body: Any) -> bool:
 
 
 def _own_artifact(owned: Owned, ids: tuple[str, ...], body: Any) -> bool | str:
-    # An e31-* key is the worker's: `e31 usage` bills a run from its e31-meter artifact.
+    # An e31-* key is the worker's: `e31 usage` bills a run from its e31-meter artifact. The shards' progress
+    # and failures are the job's own report on its own run (e31's command flow writes them in the job).
     if not isinstance(body, dict) or not _own_entries(owned, ids, body):
         return False
     key = body.get("key")
     return f"artifact key {key!r} is the worker's (e31-...): choose a key not starting with 'e31'" \
-        if worker_marked(key) else True
+        if worker_marked(key) and key not in JOB_ARTIFACT_KEYS else True
 
 
 def _own_artifact_update(owned: Owned, ids: tuple[str, ...], body: Any) -> bool | str:

@@ -150,9 +150,12 @@ def test_a_job_naming_a_host_file_as_its_data_fails_before_renting(prefect_serve
         data: [{from: "file:///etc/passwd"}]
         request: {gpus: 1, max_duration: 5m}
         """)
-    result = cli("e31", "run", str(job), "--pool", pool, gpus="1xH100")
-    assert result.returncode == 1
-    run = read_run(flow_run_id(result.stdout))
+    # A shared pool's worker (`e31 run`'s own worker stages what the person at the keyboard may read).
+    submitted = cli("e31", "submit", str(job), "--now", "--pool", pool)
+    assert submitted.returncode == 0, submitted.stdout + submitted.stderr
+    worker = cli("prefect", "worker", "start", "--pool", pool, "--type", "e31", "--run-once", gpus="1xH100")
+    assert worker.returncode == 0, worker.stdout + worker.stderr
+    run = read_run(flow_run_id(submitted.stdout))
     assert run.state.name == "StagingFailed", run.state
     assert "/etc/passwd" in run.state.message and "E31_FILE_ROOTS" in run.state.message
     assert "e31:billed-s=0" in run.tags

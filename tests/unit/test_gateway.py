@@ -262,6 +262,8 @@ def test_task_runs_and_artifacts_carry_no_worker_marks():
         assert f"{key!r} is the worker's" in refusal("POST", "/artifacts/", {"flow_run_id": RUN, "key": key,
                                                                             "type": "table", "data": "[]"}, mine)
     assert refusal("POST", "/artifacts/", {"flow_run_id": RUN, "key": "my-table", "data": "[]"}, mine) is None
+    for key in ("e31-shards", "e31-shard-failures"):  # e31's command flow reports its shards from the job
+        assert refusal("POST", "/artifacts/", {"flow_run_id": RUN, "key": key, "data": "[]"}, mine) is None
     assert "key" in refusal("PATCH", f"/artifacts/{artifact}", {"key": "e31-meter-x", "data": "[]"}, mine)
     assert "flow_run_id" in refusal("PATCH", f"/artifacts/{artifact}", {"flow_run_id": OTHER}, mine)
     assert refusal("PATCH", f"/artifacts/{artifact}", {"data": "# new", "description": "d"}, mine) is None
