@@ -41,6 +41,7 @@ from e31_prefect.websocket_frames import CLOSE, TEXT, Frame, FrameError, encode,
 END_HOLD_SECONDS = 20.0  # how long a final state of the job's run waits for the supervisor to see the work end
 JOB_API_PATH = "/api"  # the job's PREFECT_API_URL is http://127.0.0.1:PORT/api, whatever the real one is
 MAX_BODY_BYTES = 64 * 2**20  # a batch of logs or an artifact; more is not a Prefect call
+MAX_CONNECTIONS = 64  # at once, from one job
 _ID = r"([0-9a-fA-F-]{36})"
 HOP_BY_HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer", "upgrade",
               "proxy-authorization", "proxy-authenticate", "host", "content-length", "accept-encoding",
@@ -128,6 +129,8 @@ def _subflow_of_own_task(owned: Owned, ids: tuple[str, ...], body: Any) -> bool 
     if extra := sorted(set(body) - SUBFLOW_FIELDS):
         return (f"a subflow runs in the job's own process: {', '.join(extra)} (a deployment, pool, queue or "
                 "job variables would make it a run for a worker) is not the job's to set")
+    if body.get("idempotency_key") is not None:  # the server would answer with the run that has it, any run
+        return "a subflow has no idempotency_key (the engine sets none)"
     state = body.get("state")
     if state is not None and (not isinstance(state, dict) or state.get("type") != "PENDING"):
         return f"a subflow starts PENDING, not {_state_type(state)!r}"
@@ -186,7 +189,22 @@ def _own_run_state(owned: Owned, ids: tuple[str, ...], body: Any) -> bool | str:
 def _task_of_own_flow(owned: Owned, ids: tuple[str, ...], body: Any) -> bool | str:
     if not isinstance(body, dict) or str(body.get("flow_run_id")).lower() not in owned.flow_runs:
         return False
-    return _tags_refusal(body.get("tags"))
+    return _deferred_refusal(body.get("state")) or _tags_refusal(body.get("tags"))
+
+
+def _own_task_state(owned: Owned, ids: tuple[str, ...], body: Any) -> bool | str:
+    if ids[0] not in owned.task_runs or not isinstance(body, dict):
+        return False
+    return _deferred_refusal(body.get("state")) or True
+
+
+def _deferred_refusal(state: Any) -> str | None:
+    """Why a task run's state is refused: a deferred one (``task.delay()``) is queued for Prefect's task
+    workers, work started outside the job (None: it is not deferred)."""
+    details = state.get("state_details") if isinstance(state, dict) else None
+    if isinstance(details, dict) and details.get("deferred"):
+        return "a deferred task run (task.delay()) is work for a task worker, not the job's to start"
+    return None
 
 
 def _filter_of_own_runs(owned: Owned, ids: tuple[str, ...], body: Any) -> bool:
@@ -251,7 +269,7 @@ ROUTES: list[tuple[str, re.Pattern[str], Any]] = [
         ("POST", r"/flows/?", _always),
         ("POST", r"/task_runs/?", _task_of_own_flow),
         ("GET", rf"/task_runs/{_ID}", _own("task_runs")),
-        ("POST", rf"/task_runs/{_ID}/set_state", _own("task_runs")),
+        ("POST", rf"/task_runs/{_ID}/set_state", _own_task_state),
         ("POST", r"/logs/?", _own_entries),
         ("POST", r"/artifacts/?", _own_artifact),
         ("PATCH", rf"/artifacts/{_ID}", _own_artifact_update),
@@ -287,7 +305,8 @@ def learn(method: str, route: str, answer: Any, owned: Owned) -> None:
     if method == "POST" and re.fullmatch(r"/task_runs/?", route):
         owned.task_runs.add(created)
     elif method == "POST" and re.fullmatch(r"/flow_runs/?", route):
-        owned.flow_runs.add(created)
+        if str(answer.get("parent_task_run_id")).lower() in owned.task_runs:  # a run of its own, not one found
+            owned.flow_runs.add(created)
     elif method == "POST" and re.fullmatch(r"/artifacts/?", route):
         owned.artifacts.add(created)
     elif method == "GET" and re.fullmatch(rf"/flow_runs/{_ID}", route):
@@ -392,6 +411,21 @@ class _Server(ThreadingMixIn, UnixStreamServer):
     daemon_threads = True
     gateway: Gateway
 
+    # A thread and a descriptor each: a job opening connections without end would take the supervisor's
+    # descriptors (and with them its watch of the work). Prefect's client keeps a handful open.
+    def verify_request(self, request: Any, client_address: Any) -> bool:
+        with self.gateway.connections_lock:
+            if len(self.gateway.open_connections) < MAX_CONNECTIONS:
+                self.gateway.open_connections.add(request)
+                return True
+        self.gateway._refuse(f"more than {MAX_CONNECTIONS} connections at once")
+        return False
+
+    def shutdown_request(self, request: Any) -> None:
+        with self.gateway.connections_lock:
+            self.gateway.open_connections.discard(request)
+        super().shutdown_request(request)
+
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
@@ -412,9 +446,11 @@ class _Handler(BaseHTTPRequestHandler):
     def _forward(self) -> None:
         gateway = self.server.gateway
         route = gateway.route(self.path)
-        if self.headers.get("Transfer-Encoding") or int(self.headers.get("Content-Length") or 0) > MAX_BODY_BYTES:
+        length = self.headers.get("Content-Length") or "0"
+        if self.headers.get("Transfer-Encoding") or not length.isdigit() or int(length) > MAX_BODY_BYTES:
+            self.close_connection = True
             return self._answer(413, "a Prefect call's body has a length, under 64 MiB")
-        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        body = self.rfile.read(int(length))
         parsed = _body_json(body)
         why = refusal(self.command, route, parsed, gateway.owned) if route is not None else "not the Prefect API"
         own_run = route is not None and route.lower().startswith(f"/flow_runs/{gateway.owned.run}")
@@ -517,6 +553,8 @@ class Gateway:
         self.headers = headers
         self.token = token  # the API key or auth string, for the events websockets' own auth message
         self.owned = Owned(flow_runs={flow_run_id.lower()})
+        self.connections_lock = threading.Lock()
+        self.open_connections: set[Any] = set()
         self.refused: list[str] = []
         self.work_ending = threading.Event()  # set by the supervisor: the work said it ended, or is being stopped
         self.own_run_lock = threading.Lock()
@@ -577,25 +615,30 @@ class Gateway:
     def policy_refusal(self, body: Any) -> str | None:
         """Why a change of the job's own run's retry policy may not pass (None: it may).
 
-        The engine sends its run's whole policy back once, as it starts, with the flow's retries. A run
-        that failed with retries left waits for its retry in Scheduled, marked ``retry_type: in_process``
-        so that no worker takes it (Prefect's worker endpoint, and e31's backlog, skip it); a job that
-        cleared that mark would hand a worker of its pool a run to start again, billed to its team.
+        The engine sends its run's policy back once, with the flow's retries, as it starts (its run still
+        Pending). Later, more retries would let a job end its run as a retry; and a run that failed with
+        retries left waits for its retry in Scheduled, marked ``retry_type: in_process`` so that no worker
+        takes it (Prefect's worker endpoint, and e31's backlog, skip it): a job that cleared that mark (a
+        policy sent without it is cleared too) would hand a worker of its pool its run to start again.
         """
         policy = body.get("empirical_policy") if isinstance(body, dict) else None
-        if not isinstance(policy, dict) or "retry_type" not in policy:
+        if policy is None:
             return None
         run = self._read_own_run()
-        kept = ((run or {}).get("empirical_policy") or {}).get("retry_type")
-        if run is None or policy["retry_type"] != kept:
+        if not isinstance(policy, dict) or run is None:
+            return "its run's retry policy could not be checked against the server's"
+        kept = (run.get("empirical_policy") or {}).get("retry_type")
+        if policy.get("retry_type") != kept:
             return f"a job may not change its run's retry_type ({kept!r}): a worker would pick the run up"
+        if (run.get("state") or {}).get("type") != "PENDING":
+            return "a job sets its run's retries as it starts (Pending), not once it runs"
         return None
 
     def _retries_left(self) -> bool:
         """Whether the job's run has a retry left, as the server will judge a FAILED (read upstream)."""
         with contextlib.suppress(Exception):
             run = self._read_own_run()
-            if run is not None:
+            if run is not None and (run.get("state") or {}).get("type") == "RUNNING":  # as RetryFailedFlows
                 retries = (run.get("empirical_policy") or {}).get("retries")
                 return retries is not None and int(run.get("run_count") or 0) <= int(retries)
         return False
@@ -619,15 +662,23 @@ class Gateway:
         print(f"gateway refused: {why}", file=sys.stderr, flush=True)
 
     def route(self, path: str) -> str | None:
-        """The path under the API root the job asked for (None: not under it)."""
+        """The path under the API root the job asked for (None: not under it, or not plainly written).
+
+        A segment that decodes to a slash, a dot or two, or a backslash is refused: a proxy before the API
+        that decodes the path would send the call somewhere other than the route judged here.
+        """
         asked = urlsplit(path).path
-        if asked != JOB_API_PATH and not asked.startswith(JOB_API_PATH + "/"):
+        if path.startswith("//") or asked != JOB_API_PATH and not asked.startswith(JOB_API_PATH + "/"):
+            return None
+        if any(unquote(segment) in (".", "..") or any(c in unquote(segment) for c in "/\\")
+               for segment in asked.split("/")):
             return None
         return asked.removeprefix(JOB_API_PATH).rstrip("/") or "/"
 
     def upstream_path(self, path: str) -> str:
-        """The same call's path (and query) on the real API."""
-        return self.base_path + path.removeprefix(JOB_API_PATH)
+        """The same call's path (as judged) and query on the real API."""
+        split = urlsplit(path)
+        return self.base_path + split.path.removeprefix(JOB_API_PATH) + (f"?{split.query}" if split.query else "")
 
     def connect_raw(self) -> socket.socket:
         """A new connection to the Prefect API's host."""

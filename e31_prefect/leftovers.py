@@ -156,9 +156,57 @@ def lives_as(status: str, uid: int) -> bool:
     return fields.get("State", "").split()[:1] not in (["Z"], ["X"]) and str(uid) in fields.get("Uid", "").split()
 
 
+# keyctl(2): its system call number (no C library wraps it), and what is asked of it.
+KEYCTL = {"x86_64": 250, "aarch64": 219}.get(os.uname().machine)
+KEYCTL_JOIN_SESSION_KEYRING, KEYCTL_CLEAR = 1, 7
+KEY_SPEC_USER_KEYRING, KEY_SPEC_USER_SESSION_KEYRING = -4, -5
+
+
+def keyctl(*args: int | None) -> int:
+    """One keyctl(2) call (-1 where this machine's call number is not known)."""
+    if KEYCTL is None:
+        return -1
+    return ctypes.CDLL(None, use_errno=True).syscall(KEYCTL, *(ctypes.c_long(a or 0) for a in args))
+
+
+def own_session_keyring() -> None:
+    """In the job's process, as its uid: a session keyring of its own, not its supervisor's (the kernel's
+    keyrings are no files: a key added to a shared session keyring would reach every job beside it)."""
+    keyctl(KEYCTL_JOIN_SESSION_KEYRING, None)
+
+
+def as_uid(uid: int) -> None:
+    """Kill every process of ``uid`` and clear its keyrings, from a child that becomes ``uid``.
+
+    ``kill(-1)`` by a process of the uid signals all its other processes at once, under the kernel's task
+    list lock, so a process that forks without end cannot slip between a scan of ``/proc`` and its kill;
+    and a uid's user keyrings outlive its processes, to reach the next job given that uid.
+    """
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child ends in os._exit
+        code = 0
+        try:
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            for _ in range(1000):
+                try:
+                    os.kill(-1, signal.SIGKILL)
+                except ProcessLookupError:
+                    break
+            keyctl(KEYCTL_CLEAR, KEY_SPEC_USER_KEYRING)
+            keyctl(KEYCTL_CLEAR, KEY_SPEC_USER_SESSION_KEYRING)
+        except BaseException:
+            code = 1
+        os._exit(code)
+    os.waitpid(child, 0)
+
+
 def kill_processes(uid: int, proc: Path = Path("/proc"), rounds: int = 100) -> list[str]:
     """Kill every process running as ``uid`` (one whose supervisor was killed outright may live on), until
     none is left or ``rounds`` passes found one each time. Returns the pids left, if any."""
+    if os.geteuid() == 0:
+        as_uid(uid)
     left: list[int] = []
     for _ in range(rounds):
         left = []

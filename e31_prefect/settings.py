@@ -186,6 +186,13 @@ class E31Settings(BaseSettings):
         if not 1000 <= first <= last < 2**31:
             raise ValueError(f"E31_JOB_UIDS={value!r}: give first-last with 1000 <= first <= last < 2147483648, "
                              "far from the host's accounts, e.g. 61000-61999")
+        # A job's uid is swept (its processes killed, its files and IPC removed) before it is handed out again:
+        # an account's uid in the range would be swept too.
+        import pwd
+
+        if accounts := sorted(f"{a.pw_name} ({a.pw_uid})" for a in pwd.getpwall() if first <= a.pw_uid <= last):
+            raise ValueError(f"E31_JOB_UIDS={value!r} holds the uids of accounts of this host: {', '.join(accounts)}; "
+                             "choose a range no account uses, e.g. 61000-61999")
         return value
 
     @property

@@ -112,6 +112,7 @@ class ProcessWork:
                 os.setgroups([])
                 os.setgid(uid)
                 os.setuid(uid)
+                leftovers.own_session_keyring()
 
         with open(self.log, "ab") as out:
             self.process = subprocess.Popen(
@@ -375,6 +376,12 @@ class Supervisor:
         gateway = _serve_gateway(self.spec, self.ending)
         try:
             exit_ = self._supervise(pipe)
+        except BaseException:
+            # Whatever broke the watch (a job that used up the supervisor's descriptors, say), the work does
+            # not outlive it: every process of it goes before the supervisor, and its device locks, do.
+            self.work.kill()
+            self.work.clean_up()
+            raise
         finally:
             if gateway is not None:
                 gateway.close()

@@ -77,7 +77,7 @@ def test_what_a_job_creates_or_reads_of_its_own_becomes_its_own():
     learn("GET", f"/flow_runs/{RUN}", {"id": RUN, "deployment_id": deployment, "work_queue_id": queue,
                                         "work_pool_name": "GPU Pool"}, mine)
     learn("POST", "/task_runs/", {"id": task}, mine)
-    learn("POST", "/flow_runs/", {"id": child}, mine)
+    learn("POST", "/flow_runs/", {"id": child, "parent_task_run_id": task}, mine)
     learn("POST", "/artifacts/", {"id": artifact}, mine)
     assert refusal("GET", f"/deployments/{deployment}", None, mine) is None
     assert refusal("GET", f"/work_queues/{queue}", None, mine) is None
@@ -176,7 +176,7 @@ def known() -> Owned:
 
 def with_child() -> tuple[Owned, str]:
     mine, child = known(), str(uuid4())
-    learn("POST", "/flow_runs/", {"id": child}, mine)
+    learn("POST", "/flow_runs/", {"id": child, "parent_task_run_id": TASK}, mine)
     return mine, child
 
 
@@ -372,15 +372,67 @@ def test_a_failed_with_retries_left_is_a_retry_not_an_end(monkeypatch):
 def test_a_job_keeps_its_runs_retry_type_so_no_worker_takes_a_run_awaiting_its_retry():
     # The server marks a run that failed with retries left `in_process`; cleared, a worker would start it again.
     waiting = door()
-    waiting._read_own_run = lambda: {"empirical_policy": {"retries": 1, "retry_type": "in_process"}}
+    waiting._read_own_run = lambda: {"state": {"type": "SCHEDULED", "name": "AwaitingRetry"},
+                                     "empirical_policy": {"retries": 1, "retry_type": "in_process"}}
     why = waiting.policy_refusal({"empirical_policy": {"retries": 1, "retry_type": None}})
     assert why and "retry_type" in why and "worker would pick the run up" in why
     assert waiting.policy_refusal({"empirical_policy": {"retries": 1, "retry_type": "reschedule"}}) is not None
-    assert waiting.policy_refusal({"empirical_policy": {"retries": 1, "retry_type": "in_process"}}) is None
     fresh = door()  # the engine's own PATCH as it starts: the policy as read, with the flow's retries
-    fresh._read_own_run = lambda: {"empirical_policy": {"retries": None, "retry_type": None}}
+    fresh._read_own_run = lambda: {"state": {"type": "PENDING"}, "empirical_policy": {"retries": None,
+                                                                                      "retry_type": None}}
     assert fresh.policy_refusal({"flow_version": "1", "empirical_policy": {"retries": 2, "retry_type": None}}) is None
     assert fresh.policy_refusal({"name": "renamed"}) is None
     unread = door()  # the API did not answer: nothing to compare with, so nothing changes
     unread._read_own_run = lambda: None
     assert unread.policy_refusal({"empirical_policy": {"retry_type": None}}) is not None
+
+
+def test_a_policy_sent_without_its_retry_type_clears_it_and_is_refused_as_is_a_later_one():
+    waiting = door()
+    waiting._read_own_run = lambda: {"state": {"type": "SCHEDULED"},
+                                     "empirical_policy": {"retries": 9, "retry_type": "in_process"}}
+    assert "retry_type" in waiting.policy_refusal({"empirical_policy": {"retries": 9, "retry_delay": 0}})
+    running = door()  # more retries once it runs would let it end its run as a "retry"
+    running._read_own_run = lambda: {"state": {"type": "RUNNING"}, "empirical_policy": {"retries": 0}}
+    assert "as it starts" in running.policy_refusal({"empirical_policy": {"retries": 9}})
+    starting = door()
+    starting._read_own_run = lambda: {"state": {"type": "PENDING"}, "empirical_policy": {"retries": None}}
+    assert starting.policy_refusal({"empirical_policy": {"retries": 9, "retry_type": None}}) is None
+
+
+def test_a_subflow_with_an_idempotency_key_is_refused_and_only_a_run_of_its_own_task_is_learned():
+    mine = known()
+    base = {"flow_id": str(uuid4()), "parent_task_run_id": TASK, "state": {"type": "PENDING"}}
+    assert "idempotency_key" in refusal("POST", "/flow_runs/", {**base, "idempotency_key": "scheduled x y z"}, mine)
+    assert refusal("POST", "/flow_runs/", {**base, "idempotency_key": None}, mine) is None
+    found = str(uuid4())  # the server answered with a run that is not the one asked for
+    learn("POST", "/flow_runs/", {"id": found, "parent_task_run_id": None}, mine)
+    assert found not in mine.flow_runs
+    made = str(uuid4())
+    learn("POST", "/flow_runs/", {"id": made, "parent_task_run_id": TASK}, mine)
+    assert made in mine.flow_runs
+
+
+def test_a_deferred_task_run_is_refused_a_task_retry_passes():
+    mine = known()
+    deferred = {"type": "SCHEDULED", "state_details": {"deferred": True}}
+    assert "task worker" in refusal("POST", "/task_runs/", {"flow_run_id": RUN, "state": deferred}, mine)
+    assert "task worker" in refusal("POST", f"/task_runs/{TASK}/set_state", {"state": deferred}, mine)
+    retry = {"type": "SCHEDULED", "name": "AwaitingRetry", "state_details": {}}
+    assert refusal("POST", f"/task_runs/{TASK}/set_state", {"state": retry}, mine) is None
+
+
+@pytest.mark.parametrize("path", ["/api/flow_runs/x/input/%2E%2E%2Fy", "/api/flow_runs/%2e%2e/set_state",
+                                  "//api/flow_runs", "/api/flow_runs/./x", "/api/a%5Cb"])
+def test_a_path_a_proxy_would_read_otherwise_is_refused(path):
+    judge = gateway.Gateway.__new__(gateway.Gateway)
+    judge.base_path = "/api"
+    assert judge.route(path) is None
+
+
+def test_the_call_forwarded_is_the_one_judged():
+    judge = gateway.Gateway.__new__(gateway.Gateway)
+    judge.base_path = "/prefect/api"
+    assert judge.route("http://elsewhere/api/flow_runs/a?x=1#frag") == "/flow_runs/a"
+    assert judge.upstream_path("http://elsewhere/api/flow_runs/a?x=1#frag") == "/prefect/api/flow_runs/a?x=1"
+    assert judge.route("/api/work_pools/my%20pool") == "/work_pools/my%20pool"

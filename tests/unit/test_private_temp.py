@@ -134,6 +134,7 @@ def test_the_uids_sysv_objects_are_those_it_owns_or_made():
     ("E31_JOB_UIDS", "62000-61000", "first <= last"),
     ("E31_JOB_UIDS", "61000", "String should match pattern"),
     ("E31_JOB_UIDS", "61000-99999999999", "last < 2147483648"),
+    ("E31_JOB_UIDS", "65000-65534", r"accounts of this host: nobody \(65534\)"),  # its sweep would kill theirs
     ("E31_JOB_TEMP_BYTES", "lots", "E31_JOB_TEMP_BYTES='lots' is not a size"),
     ("E31_JOB_TEMP_BYTES", "0", "E31_JOB_TEMP_BYTES='0': a job's temp folders need a bound of 1m or more"),
 ])
@@ -217,3 +218,50 @@ def test_a_jobs_posix_message_queues_are_its_own():
     os.close(write)
     os.waitpid(pid, 0)
     assert os.read(read, 4096).decode() == "True False", "the job made its queue in its own /dev/mqueue only"
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or os.uname().machine != "x86_64", reason="a job's uid needs root (x86-64 calls)")
+def test_a_uid_forking_without_end_is_killed_whole_and_its_keyrings_cleared():
+    import ctypes
+    import subprocess
+    import time
+
+    uid = 61993
+
+    def become() -> None:
+        os.setgid(uid)
+        os.setuid(uid)
+
+    def as_uid(call: tuple) -> int:
+        """One system call in a child become ``uid``: its answer."""
+        reading, writing = os.pipe()
+        child = os.fork()
+        if child == 0:  # pragma: no cover - ends in os._exit
+            become()
+            os.write(writing, str(ctypes.CDLL(None).syscall(*call)).encode())
+            os._exit(0)
+        os.waitpid(child, 0)
+        os.close(writing)
+        answer = int(os.read(reading, 64))
+        os.close(reading)
+        return answer
+
+    # A loop of children: each scan of /proc finds new pids; kill(-1) as the uid takes them all at once.
+    loop = subprocess.Popen(["sh", "-c", "while true; do sleep 100 & done"], preexec_fn=become)
+    add_key = (248, b"user", b"left-for-the-next-job", b"secret", 6, ctypes.c_long(-4))  # add_key to @u
+    assert as_uid(add_key) > 0
+    time.sleep(0.3)
+    try:
+        assert kill_processes(uid) == []
+    finally:
+        loop.wait(timeout=10)
+    time.sleep(0.2)
+    assert [p for p in os.listdir("/proc") if p.isdigit() and lives_as(_status(p), uid)] == []
+    read_keyring = (250, 11, ctypes.c_long(-4), None, 0)  # KEYCTL_READ of @u: the bytes of its key ids
+    assert as_uid(read_keyring) == 0, "the uid's user keyring is empty for the next job"
+
+
+def _status(pid: str) -> str:
+    with contextlib.suppress(OSError):
+        return Path("/proc", pid, "status").read_text()
+    return ""
