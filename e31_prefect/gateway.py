@@ -82,6 +82,7 @@ class Owned:
     task_runs: set[str] = field(default_factory=set)
     deployments: set[str] = field(default_factory=set)
     artifacts: set[str] = field(default_factory=set)
+    leases: set[str] = field(default_factory=set)  # the concurrency slots its tagged tasks hold
     work_queues: set[str] = field(default_factory=set)  # its flow run's queue and pool, which Prefect's
     work_pools: set[str] = field(default_factory=set)  # engine names on each event it sends (names and ids)
     tags: set[str] = field(default_factory=set)  # its flow run's tags, which the engine names on its events
@@ -198,6 +199,19 @@ def _own_task_state(owned: Owned, ids: tuple[str, ...], body: Any) -> bool | str
     return _deferred_refusal(body.get("state")) or True
 
 
+def _tag_slots(owned: Owned, ids: tuple[str, ...], body: Any) -> bool | str:
+    names = body.get("names") if isinstance(body, dict) else None
+    if not isinstance(names, list) or not names:
+        return False
+    if others := [n for n in names if not (isinstance(n, str) and n.startswith("tag:"))]:
+        return f"concurrency limits {others} are not a tagged task's (tag:NAME)"
+    return True
+
+
+def _own_lease_released(owned: Owned, ids: tuple[str, ...], body: Any) -> bool:
+    return isinstance(body, dict) and str(body.get("lease_id")).lower() in owned.leases
+
+
 def _deferred_refusal(state: Any) -> str | None:
     """Why a task run's state is refused: a deferred one (``task.delay()``) is queued for Prefect's task
     workers, work started outside the job (None: it is not deferred)."""
@@ -275,6 +289,11 @@ ROUTES: list[tuple[str, re.Pattern[str], Any]] = [
         ("PATCH", rf"/artifacts/{_ID}", _own_artifact_update),
         ("GET", r"/events/in", _always),  # the events websockets, judged message by message
         ("GET", r"/events/out", _always),
+        # A tagged task holds a slot of each of its tags' limits (`tag:NAME`, task_engine.py): never another
+        # kind of limit (a team's GPU quota is the worker's), and only the leases it took.
+        ("POST", r"/v2/concurrency_limits/increment-with-lease", _tag_slots),
+        ("POST", rf"/v2/concurrency_limits/leases/{_ID}/renew", _own("leases")),
+        ("POST", r"/v2/concurrency_limits/decrement-with-lease", _own_lease_released),
     ]
 ]
 
@@ -298,6 +317,9 @@ def learn(method: str, route: str, answer: Any, owned: Owned) -> None:
     """Record what a passed call created or named: the job's task runs, subflows, deployment, artifacts."""
     if method == "POST" and route == "/flow_runs/filter" and isinstance(answer, list):
         owned.flow_runs.update(str(run["id"]).lower() for run in answer if isinstance(run, dict) and "id" in run)
+        return
+    if route == "/v2/concurrency_limits/increment-with-lease" and isinstance(answer, dict) and answer.get("lease_id"):
+        owned.leases.add(str(answer["lease_id"]).lower())
         return
     if not isinstance(answer, dict) or "id" not in answer:
         return

@@ -35,7 +35,7 @@ from pathlib import Path
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 
-@task
+@task(tags=["nightly-db"])  # a tagged task holds a slot of its tag's concurrency limit, through the gateway
 def step(x: int) -> int:
     return x + 1
 

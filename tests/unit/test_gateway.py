@@ -436,3 +436,17 @@ def test_the_call_forwarded_is_the_one_judged():
     assert judge.route("http://elsewhere/api/flow_runs/a?x=1#frag") == "/flow_runs/a"
     assert judge.upstream_path("http://elsewhere/api/flow_runs/a?x=1#frag") == "/prefect/api/flow_runs/a?x=1"
     assert judge.route("/api/work_pools/my%20pool") == "/work_pools/my%20pool"
+
+
+def test_a_tagged_task_holds_its_tags_slots_and_only_its_own_leases():
+    mine = known()
+    take = "/v2/concurrency_limits/increment-with-lease"
+    body = {"names": ["tag:database"], "slots": 1, "mode": "concurrency", "lease_duration": 60}
+    assert refusal("POST", take, body, mine) is None
+    assert "not a tagged task's" in refusal("POST", take, {**body, "names": ["tag:db", "e31-team-vision"]}, mine)
+    lease, other = str(uuid4()), str(uuid4())
+    learn("POST", take, {"lease_id": lease, "limits": []}, mine)
+    assert refusal("POST", f"/v2/concurrency_limits/leases/{lease}/renew", {"lease_duration": 60}, mine) is None
+    assert refusal("POST", f"/v2/concurrency_limits/leases/{other}/renew", {"lease_duration": 60}, mine)
+    assert refusal("POST", "/v2/concurrency_limits/decrement-with-lease", {"lease_id": lease}, mine) is None
+    assert refusal("POST", "/v2/concurrency_limits/decrement-with-lease", {"lease_id": other}, mine)
