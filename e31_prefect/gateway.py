@@ -638,10 +638,10 @@ class Gateway:
         """Why a change of the job's own run's retry policy may not pass (None: it may).
 
         The engine sends its run's policy back once, with the flow's retries, as it starts (its run still
-        Pending). Later, more retries would let a job end its run as a retry; and a run that failed with
-        retries left waits for its retry in Scheduled, marked ``retry_type: in_process`` so that no worker
-        takes it (Prefect's worker endpoint, and e31's backlog, skip it): a job that cleared that mark (a
-        policy sent without it is cleared too) would hand a worker of its pool its run to start again.
+        Scheduled or Pending). Later, more retries would let a job end its run as a retry; and a run that
+        failed with retries left waits for its retry in Scheduled, marked ``retry_type: in_process`` so that
+        no worker takes it (Prefect's worker endpoint, and e31's backlog, skip it): a job that cleared that
+        mark (a policy sent without it is cleared too) would hand a worker of its pool its run to start again.
         """
         policy = body.get("empirical_policy") if isinstance(body, dict) else None
         if policy is None:
@@ -652,8 +652,8 @@ class Gateway:
         kept = (run.get("empirical_policy") or {}).get("retry_type")
         if policy.get("retry_type") != kept:
             return f"a job may not change its run's retry_type ({kept!r}): a worker would pick the run up"
-        if (run.get("state") or {}).get("type") != "PENDING":
-            return "a job sets its run's retries as it starts (Pending), not once it runs"
+        if (run.get("state") or {}).get("type") not in ("SCHEDULED", "PENDING"):
+            return "a job sets its run's retries as it starts, not once it runs"
         return None
 
     def _retries_left(self) -> bool:
