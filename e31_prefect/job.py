@@ -537,19 +537,11 @@ class Request(BaseModel):
     def _check_start(cls, value: str | None) -> str | None:
         return None if value is None else timing.check_start(value)
 
-    @field_validator("memory", mode="before")
+    @field_validator("memory", "disk", mode="before")
     @classmethod
-    def _check_memory(cls, value: Any) -> Any:
+    def _check_size(cls, value: Any, info: ValidationInfo) -> Any:
         if value is not None:
-            parse_memory(value)
-            return str(value)
-        return value
-
-    @field_validator("disk", mode="before")
-    @classmethod
-    def _check_disk(cls, value: Any) -> Any:
-        if value is not None:
-            parse_disk(value)
+            (parse_memory if info.field_name == "memory" else parse_disk)(value)
             return str(value)
         return value
 
