@@ -347,9 +347,9 @@ def _flow_runs_named(event: Any) -> list[str] | None:
     """The flow run ids an event names (as its resource or a related one); None: not an event."""
     if not isinstance(event, dict) or not isinstance(event.get("resource"), dict):
         return None
-    resources = [event["resource"], *(r for r in event.get("related") or [] if isinstance(r, dict))]
-    ids = [str(r.get("prefect.resource.id", "")) for r in resources]
-    return [i.removeprefix("prefect.flow-run.").lower() for i in ids if i.startswith("prefect.flow-run.")]
+    resources = [event["resource"], *(event.get("related") or [])]
+    return [found[1].lower() for resource in resources
+            if (found := _kind_and_id(resource)) is not None and found[0] == "flow-run"]
 
 
 def _kind_and_id(resource: Any) -> tuple[str, str] | None:
