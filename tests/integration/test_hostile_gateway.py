@@ -27,6 +27,7 @@ from prefect.events.filters import EventAnyResourceFilter, EventFilter, EventNam
 from prefect.states import Scheduled
 
 from tests.integration.conftest import cli, flow_run_id
+from tests.integration.test_hostile_jobs import API_CALL
 from tests.integration.test_jobs_end_to_end import read_run, write_job
 
 pytestmark = pytest.mark.integration
@@ -47,16 +48,7 @@ def step(x: int) -> int:
 def child() -> int:
     return step(1)
 
-def call(method, path, body=None):
-    request = urllib.request.Request(os.environ["PREFECT_API_URL"] + path, method=method,
-                                     data=None if body is None else json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=120) as answer:
-            return answer.status, answer.read().decode()
-    except urllib.error.HTTPError as error:
-        return error.code, error.read().decode()
-
+""" + API_CALL + """
 @flow
 def attacker(victim: str) -> int:
     me = os.environ["PREFECT__FLOW_RUN_ID"]

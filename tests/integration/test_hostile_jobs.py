@@ -29,6 +29,20 @@ from tests.integration.test_jobs_end_to_end import read_run, write_job
 
 pytestmark = pytest.mark.integration
 
+# A job's own call of the Prefect API it was given, as an attacker writes it (it needs json, os and urllib):
+# the status and body, refused or not. Its gateway may hold a call for its run's end a while (gateway.END_HOLD_SECONDS).
+API_CALL = '''
+def call(method, path, body=None):
+    request = urllib.request.Request(os.environ["PREFECT_API_URL"] + path, method=method,
+                                     data=None if body is None else json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as answer:
+            return answer.status, answer.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+'''
+
 HOSTILE = """
 import json, os, socket, urllib.error, urllib.request
 from pathlib import Path
@@ -43,16 +57,7 @@ def step(x: int) -> int:
 def child() -> int:
     return step(1)
 
-def call(method, path, body=None):
-    request = urllib.request.Request(os.environ["PREFECT_API_URL"] + path, method=method,
-                                     data=None if body is None else json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=10) as answer:
-            return answer.status, answer.read().decode()
-    except urllib.error.HTTPError as error:
-        return error.code, error.read().decode()
-
+""" + API_CALL + """
 @flow
 def hostile(api_host: str, api_port: int) -> int:
     seen = {"uid": os.geteuid()}
