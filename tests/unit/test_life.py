@@ -166,8 +166,13 @@ def life_for(tmp_path: Path, job: dict[str, Any] | None = None, **worker: Any) -
     return life
 
 
+# What e31's job entry does first: say it is ready, then wait to be handed its devices (e31_prefect.job_entry).
+GATE = ("import os\nfrom e31_prefect import job_entry\njob_entry._pipe.append(os.environ['E31_WORK_ENDED'])\n"
+        "job_entry.wait_for_hand_over(os.environ['E31_HAND_OVER'])\n")
+
+
 class CommandRuntime:
-    """A runtime whose work is a plain command, run by the real supervisor."""
+    """A runtime whose work is a plain command after e31's gate, run by the real supervisor."""
 
     name = "process"
     died = endings.PROCESS_DIED
@@ -179,9 +184,14 @@ class CommandRuntime:
     async def check(self) -> str | None:
         return self.problem
 
+    def starts_before_rent(self, job: Any) -> bool:
+        return True
+
     def spec(self, placement: Placement) -> Spec:
-        return placement.spec(self.name, argv=[sys.executable, "-c", self.code],
-                              env={"PATH": os.environ["PATH"], "OUT": str(placement.output_dir)},
+        return placement.spec(self.name, argv=[sys.executable, "-c", GATE + self.code],
+                              env={"PATH": os.environ["PATH"], "OUT": str(placement.output_dir),
+                                   "E31_WORK_ENDED": str(placement.folder.work_ended_pipe),
+                                   "E31_HAND_OVER": str(placement.folder.hand_over_pipe)},
                               cwd=str(placement.workspace))
 
     async def start(self, placement: Placement, supervisor: Any) -> None:
@@ -266,10 +276,10 @@ async def test_stage_fails_a_missing_input_before_renting(tmp_path):
 
 async def rent_and(life: JobLife, inside=None):
     job = life.admit()
-    async with life.rent(job, CommandRuntime("")) as placement:
+    async with life.rent(job, CommandRuntime("")) as rental:
         if inside:
-            await inside(placement)
-        return placement
+            await inside(rental)
+        return rental
 
 
 async def test_rent_holds_devices_and_slots_writes_the_ledger_and_gives_them_all_back(tmp_path):
@@ -281,14 +291,14 @@ async def test_rent_holds_devices_and_slots_writes_the_ledger_and_gives_them_all
         seen["holding"] = life.folder.holding()
         seen["leases"] = dict(life.worker.client.leases)
 
-    placement = await rent_and(life, inside)
-    assert placement.devices == [Device(0, "H100")] and placement.stop_at is not None
+    rental = await rent_and(life, inside)
+    assert rental.devices == [Device(0, "H100")]
     assert seen["free"] == [Device(1, "H100")]
     assert seen["holding"].devices == [0] and seen["holding"].job["name"] == "train"
     assert list(seen["leases"].values()) == [1]
     assert life.worker.inventory.free() == life.worker.inventory.devices
     assert life.worker.client.leases == {}, "the quota slots went back with the devices"
-    assert "rented" in life.meter.marks
+    assert "rented" not in life.meter.marks, "the meter starts at the hand-over, not when the devices are held"
 
 
 async def test_rent_hands_the_run_back_when_no_device_is_free(tmp_path):
@@ -315,7 +325,7 @@ async def test_rent_refuses_a_run_its_quota_can_never_hold(tmp_path):
 async def test_a_worker_stopping_while_rented_keeps_the_lease_for_the_adopter(tmp_path):
     life = life_for(tmp_path)
 
-    async def stopped(placement: Placement) -> None:
+    async def stopped(rental: Any) -> None:
         raise anyio.get_cancelled_exc_class()()
 
     with pytest.raises(anyio.get_cancelled_exc_class()):
@@ -328,11 +338,13 @@ async def test_a_worker_stopping_while_rented_keeps_the_lease_for_the_adopter(tm
 
 
 async def run_work(life: JobLife, code: str) -> Record:
+    """The run step as the life takes it: prepare the work, rent, hand over, watch until it ends."""
     job = life.admit()
     runtime = CommandRuntime(code)
-    async with life.rent(job, runtime) as placement:
-        (placement.output_dir).mkdir(parents=True, exist_ok=True)
-        supervisor = await life.start_work(placement, runtime)
+    life._take()  # the run's ledger folder, as its life takes it first
+    (life.workspace / "output").mkdir(parents=True, exist_ok=True)
+    async with life.prepare(job, runtime, []) as supervisor, life.rent(job, runtime) as rental:
+        await life.hand_over(job, supervisor, rental)
         async with life.watching(supervisor):
             record = await supervisor.wait()
     return record
