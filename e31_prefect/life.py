@@ -160,6 +160,8 @@ def meter_from(holding: Holding, record: Record | None, grace_seconds: float) ->
     meter = Meter(gpus=holding.gpus, team=holding.team, devices=list(holding.devices))
     for step, at in holding.marks_as_datetimes().items():
         meter.mark(step, at)
+    if record is not None and record.ready:
+        meter.mark("ready", datetime.fromisoformat(record.ready))
     if record is not None and record.started:
         meter.mark("running", datetime.fromisoformat(record.started))
     if record is not None and record.ended:
@@ -482,6 +484,7 @@ class JobLife:
                        f"its process did not load Prefect within {READY_SECONDS:.0f} s")
                 raise Ends(endings.NOT_STARTED.saying(f"The work did not start: {why}. Nothing of the job ran; "
                                                       "nothing was billed."))
+            self.meter.mark("ready", datetime.fromisoformat(record.ready or record.started or now().isoformat()))
             yield supervisor
         finally:
             if supervisor.control is not None:  # never handed over: its supervisor ends the work as it waits

@@ -26,7 +26,7 @@ from prefect.states import Completed, Failed, Running
 from e31_prefect import endings
 from e31_prefect.inventory import Device, Inventory
 from e31_prefect.job import Job, JobError, parse_job
-from e31_prefect.ledger import Ledger, Record, Spec
+from e31_prefect.ledger import Ledger, Record, Spec, process_running
 from e31_prefect.life import Ends, JobLife, judge
 from e31_prefect.run_states import RunStates
 from e31_prefect.runtimes import Placement
@@ -177,9 +177,10 @@ class CommandRuntime:
     name = "process"
     died = endings.PROCESS_DIED
 
-    def __init__(self, code: str, problem: str | None = None):
+    def __init__(self, code: str, problem: str | None = None, before_gate: str = ""):
         self.code = code
         self.problem = problem
+        self.before_gate = before_gate  # what the process does before it says it is ready (loading Prefect)
 
     async def check(self) -> str | None:
         return self.problem
@@ -188,7 +189,7 @@ class CommandRuntime:
         return True
 
     def spec(self, placement: Placement) -> Spec:
-        return placement.spec(self.name, argv=[sys.executable, "-c", GATE + self.code],
+        return placement.spec(self.name, argv=[sys.executable, "-c", self.before_gate + GATE + self.code],
                               env={"PATH": os.environ["PATH"], "OUT": str(placement.output_dir),
                                    "E31_WORK_ENDED": str(placement.folder.work_ended_pipe),
                                    "E31_HAND_OVER": str(placement.folder.hand_over_pipe)},
@@ -337,12 +338,17 @@ async def test_a_worker_stopping_while_rented_keeps_the_lease_for_the_adopter(tm
 # -- run --------------------------------------------------------------------------------------
 
 
-async def run_work(life: JobLife, code: str) -> Record:
-    """The run step as the life takes it: prepare the work, rent, hand over, watch until it ends."""
-    job = life.admit()
-    runtime = CommandRuntime(code)
-    life._take()  # the run's ledger folder, as its life takes it first
+def staged(life: JobLife) -> Job:
+    """The admitted job, its run taken (its ledger folder) and its workspace made, as before the run step."""
+    life._take()
     (life.workspace / "output").mkdir(parents=True, exist_ok=True)
+    return life.admit()
+
+
+async def run_work(life: JobLife, code: str, before_gate: str = "") -> Record:
+    """The run step as the life takes it: prepare the work, rent, hand over, watch until it ends."""
+    job = staged(life)
+    runtime = CommandRuntime(code, before_gate=before_gate)
     async with life.prepare(job, runtime, []) as supervisor, life.rent(job, runtime) as rental:
         await life.hand_over(job, supervisor, rental)
         async with life.watching(supervisor):
@@ -357,6 +363,53 @@ async def test_run_starts_the_work_under_its_supervisor_and_records_its_end(tmp_
     assert (life.workspace / "output" / "x.txt").read_text() == "x"
     assert life.infrastructure == record.infrastructure and "running" in life.meter.marks
     assert life.worker.inventory.free() == life.worker.inventory.devices
+
+
+async def test_the_work_loads_before_the_rent_and_the_meter_starts_at_the_hand_over(tmp_path):
+    life = life_for(tmp_path)
+    loading = "import time; time.sleep(1.5)\n"  # as Prefect's import, before the entry says it is ready
+    record = await run_work(life, "import os; open(os.environ['OUT'] + '/devices', 'w').write("
+                                  "os.environ['CUDA_VISIBLE_DEVICES'])", before_gate=loading)
+    assert record.ending == "exited" and record.exit_code == 0
+    assert (life.workspace / "output" / "devices").read_text() == "0", "its code sees the device it was handed"
+    marks = life.meter.marks
+    assert marks["ready"] <= marks["rented"] <= marks["running"], "rented once the work was ready, not before"
+    assert life.meter.billed_seconds < 1.5, "the load before the hand-over was billed"
+
+
+async def test_no_device_is_held_while_the_work_loads(tmp_path):
+    life = life_for(tmp_path)
+    job = staged(life)
+    async with life.prepare(job, CommandRuntime("pass", before_gate="import time; time.sleep(1)\n"), []):
+        assert life.worker.inventory.free() == life.worker.inventory.devices
+        assert life.folder.record().ready is not None
+    assert life.folder.record().ending == "not-started", "left before its hand-over, the work ended"
+
+
+async def test_a_process_that_dies_while_waiting_is_handed_nothing_and_billed_nothing(tmp_path):
+    life = life_for(tmp_path)
+    job = staged(life)
+    ending = await ending_of_async(lambda: life.prepare(job, CommandRuntime(
+        "pass", before_gate="raise SystemExit(3)\n"), []).__aenter__())
+    assert ending.is_(endings.NOT_STARTED) and "exit code 3" in ending.message
+    assert "rented" not in life.meter.marks and life.worker.client.leases == {}
+    assert life.worker.inventory.free() == life.worker.inventory.devices
+
+
+async def test_a_worker_that_goes_before_the_hand_over_leaves_no_work_running(tmp_path):
+    life = life_for(tmp_path)
+    job = staged(life)
+    async with life.prepare(job, CommandRuntime("import time; time.sleep(600)"), []) as supervisor:
+        pid = int(life.folder.record().infrastructure)
+        supervisor.stop()  # a cancel as it waits: nothing of the job ran, nothing is billed
+        record = await supervisor.wait()
+    assert record.ending == "not-started" and "cancelled" in record.message and record.started is None
+    assert not process_running(pid)
+    life2 = life_for(tmp_path / "2")
+    async with life2.prepare(staged(life2), CommandRuntime("import time; time.sleep(600)"), []):
+        pid = int(life2.folder.record().infrastructure)
+    record = life2.folder.record()  # the worker let it go (it stopped, or could not rent)
+    assert record.ending == "not-started" and "no devices" in record.message and not process_running(pid)
 
 
 async def test_a_cancel_requested_in_prefect_stops_the_work(tmp_path):
