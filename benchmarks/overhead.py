@@ -117,7 +117,7 @@ def meter_marks(client, flow_run_id) -> dict[str, float]:
         rows = [a for a in client.read_artifacts(artifact_filter=ArtifactFilter(
             flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]))) if a.key and a.key.startswith("e31-meter")]
         if rows:
-            return {r["step"]: datetime.fromisoformat(r["at"]).timestamp() for r in json.loads(rows[0].data)}
+            return {r["step"]: datetime.fromisoformat(r["at"]).timestamp() for r in json.loads(rows[0].data) if r["at"]}
         time.sleep(0.1)
     raise SystemExit(f"run {flow_run_id} has no meter")
 
