@@ -20,7 +20,9 @@ from e31_prefect.dirs import data_dir, output_dir
 if TYPE_CHECKING:
     from e31_prefect.blocks import E31Storage
     from e31_prefect.decorators import e31
-    from e31_prefect.job import Job, JobError, load_job_file
+    from e31_prefect.job import Job
+    from e31_prefect.job_file import load_job_file
+    from e31_prefect.job_values import JobError
     from e31_prefect.worker import E31Worker
 
 _LAZY = {
@@ -28,8 +30,8 @@ _LAZY = {
     "E31Worker": "e31_prefect.worker",
     "e31": "e31_prefect.decorators",
     "Job": "e31_prefect.job",
-    "JobError": "e31_prefect.job",
-    "load_job_file": "e31_prefect.job",
+    "JobError": "e31_prefect.job_values",
+    "load_job_file": "e31_prefect.job_file",
 }
 
 __all__ = ["E31Storage", "E31Worker", "e31", "Job", "JobError", "data_dir", "load_job_file", "output_dir"]

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 from pydantic import ValidationError
 
-from e31_prefect.job import MISSING, Problem
+from e31_prefect.job_values import MISSING, Problem
 
 if TYPE_CHECKING:
     from prefect.blocks.core import Block

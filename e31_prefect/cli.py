@@ -25,7 +25,10 @@ from e31_prefect import meter as metering
 from e31_prefect import timing
 from e31_prefect.home_files import HomeOpen
 from e31_prefect.inventory import DeviceLocksError
-from e31_prefect.job import Job, JobError, load_job_file, plan, plan_problems
+from e31_prefect.job import Job
+from e31_prefect.job_file import load_job_file
+from e31_prefect.job_plan import plan, plan_problems
+from e31_prefect.job_values import JobError
 
 EXIT_INVALID = 2
 

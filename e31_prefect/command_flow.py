@@ -20,7 +20,7 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
-from e31_prefect.gateway import SHARD_FAILURES_KEY, SHARDS_PROGRESS_KEY
+from e31_prefect.gateway_rules import SHARD_FAILURES_KEY, SHARDS_PROGRESS_KEY
 from e31_prefect.shard_runner import Attempt, ShardProcess, program, take_early
 from e31_prefect.shards import (
     SHARDS_VARIABLE,

@@ -33,7 +33,9 @@ from prefect.utilities.asyncutils import run_coro_as_sync
 from prefect.utilities.callables import get_call_parameters
 from typing_extensions import ParamSpec
 
-from e31_prefect.job import JobError, Problem, Request, anchor, job_name, parse_job
+from e31_prefect.job import Request, parse_job
+from e31_prefect.job_file import anchor
+from e31_prefect.job_values import JobError, Problem, job_name
 from e31_prefect.results import wait_released
 from e31_prefect.submission import DEFAULT_POOL
 

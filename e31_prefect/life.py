@@ -25,19 +25,16 @@ import contextlib
 import dataclasses
 import functools
 import os
-import socket
-import sys
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from uuid import UUID
 
 import anyio
 import anyio.abc
-import httpx
-from prefect.client.schemas.objects import FlowRun, State
+from prefect.client.schemas.objects import FlowRun
 from prefect.exceptions import ObjectNotFound
 
 from e31_prefect import (
@@ -48,9 +45,7 @@ from e31_prefect import (
     output_bounds,
     quotas,
     reporting,
-    results,
     shards,
-    spool,
     timing,
 )
 from e31_prefect.blocks import StorageBlockError, load_job_storage
@@ -58,124 +53,40 @@ from e31_prefect.command_flow import COMMAND_FLOW_ENTRYPOINT
 from e31_prefect.endings import Ending
 from e31_prefect.flow_shards import FLOW_SHARDS_ENTRYPOINT
 from e31_prefect.inventory import Device, pick_devices
-from e31_prefect.job import Job, JobError
-from e31_prefect.ledger import Holding, Record, RunFolder, now, output_tail, this_process
-from e31_prefect.meter import Meter, work_end
+from e31_prefect.job import Job
+from e31_prefect.job_values import JobError
+from e31_prefect.ledger import Holding, Record, RunFolder, now, this_process
+from e31_prefect.life_sending import Sending
+from e31_prefect.life_terms import (
+    Ends,
+    LifeConfiguration,
+    LifeWorker,
+    Rental,
+    infrastructure_id,
+    meter_from,
+    scheduled_start,
+    transient,
+)
+from e31_prefect.life_watch import Watching
+from e31_prefect.meter import Meter
 from e31_prefect.output_bounds import OutputBounds
 from e31_prefect.runtimes import Placement, Runtime, hand_over_environment, runtime_for
 from e31_prefect.staging import (
     StagingError,
-    UploadError,
-    missing_outputs,
     remove_workspace,
     stage_inputs,
-    upload_outputs,
 )
 from e31_prefect.supervision import Supervisor
-
-if TYPE_CHECKING:
-    from e31_prefect.worker import E31JobConfiguration, E31Worker
 
 QUOTA_RETRY = timedelta(seconds=15)
 READY_SECONDS = 300.0  # how long a job's process may take to load Prefect before it is ended, unbilled
 CLOSE_RETRY_SECONDS = (1, 2, 5, 10, 30)  # the meter is recorded in Prefect once the API answers again
 
 
-def scheduled_start(flow_run: FlowRun) -> datetime:
-    """When Prefect scheduled the run to start (its creation time if it has none)."""
-    moment = flow_run.expected_start_time or flow_run.next_scheduled_start_time or flow_run.created
-    return timing.utc(moment) if moment else now()
-
-
-class Ends(Exception):
-    """A step ended the run's life."""
-
-    def __init__(self, ending: Ending):
-        super().__init__(ending.message)
-        self.ending = ending
-
-
-@dataclasses.dataclass(frozen=True)
-class Rental:
-    """The devices rented for a run (its quota slots are the life's lease)."""
-
-    devices: list[Device]
-
-
-def judge(record: Record | None, flow_state: State | None, died: Ending, job: Job, tail: str = "") -> Ending | None:
-    """The ending a run deserves from how its work ended; None where the flow's own final state stands."""
-    if record is None or record.ending is None:
-        return died.saying("The run's supervisor left no record of how the work ended; outputs written so far "
-                           "were kept.")
-    if record.ending == "not-started":
-        return endings.NOT_STARTED.saying(f"The work did not start: {record.message or 'unknown reason'}. "
-                                          "Nothing ran; the devices went back at once.")
-    if record.ending == "timed-out":
-        return endings.TIMED_OUT.saying(f"Timed out: stopped at its time limit {record.stop_requested}; outputs "
-                                        "written so far were kept.")
-    if record.ending == "stopped":
-        return endings.CANCELLED.saying("Cancelled while running: stopped, devices released, outputs so far kept.")
-    if record.ending == "out-of-memory":
-        return endings.OUT_OF_MEMORY.saying(f"Out of memory: the work was killed at its memory limit (request.memory "
-                                            f"= {job.request.memory}); outputs written so far were kept.")
-    if flow_state is not None and flow_state.is_final():
-        return None
-    if record.work_ended is not None:
-        return endings.REPORTED_BY_WORKER.saying(
-            f"The flow's work ended at {record.work_ended}, but its engine could not report it to the Prefect "
-            "API in time; e31 reports it. Its outputs were sent.")
-    return died.saying(f"The run's {died.name.removesuffix('Died').lower()} died with exit code "
-                       f"{record.exit_code} before the flow reported a final state; outputs written so far "
-                       "were kept." + (f" Its last output:\n{tail}" if tail else ""))
-
-
-def infrastructure_id(flow_run_id: UUID | str) -> str:
-    """How e31 names a run's infrastructure to Prefect (``infrastructure_pid``): its host and flow run.
-
-    The run's supervisor is found from these, whatever the runtime, by the worker's kill_infrastructure.
-    """
-    return f"e31:{socket.gethostname()}:{flow_run_id}"
-
-
-def parse_infrastructure_id(text: str) -> tuple[str, str]:
-    """The host and flow run id in an :func:`infrastructure_id`; InfrastructureNotFound for anything else."""
-    from prefect.exceptions import InfrastructureNotFound
-
-    kind, _, rest = text.partition(":")
-    host, _, run_id = rest.rpartition(":")
-    if kind != "e31" or not host or not run_id:
-        raise InfrastructureNotFound(f"{text!r} is not an e31 run's infrastructure id (e31:HOST:FLOW_RUN_ID)")
-    return host, run_id
-
-
-def transient(exc: BaseException) -> bool:
-    """Whether a failure is the Prefect API's, likely gone on a later try (unreachable, 5xx)."""
-    if isinstance(exc, httpx.HTTPStatusError):
-        return exc.response.status_code >= 500
-    return isinstance(exc, httpx.TransportError)
-
-
-def meter_from(holding: Holding, record: Record | None, grace_seconds: float) -> Meter:
-    """The run's meter: the worker's marks, and the work's own start and true end from its supervisor."""
-    meter = Meter(gpus=holding.gpus, team=holding.team, devices=list(holding.devices))
-    for step, at in holding.marks_as_datetimes().items():
-        meter.mark(step, at)
-    if record is not None and record.ready:
-        meter.mark("ready", datetime.fromisoformat(record.ready))
-    if record is not None and record.started:
-        meter.mark("running", datetime.fromisoformat(record.started))
-    if record is not None and record.ended:
-        meter.mark("run_ended", work_end(
-            datetime.fromisoformat(record.ended),
-            datetime.fromisoformat(record.work_ended) if record.work_ended else None,
-            datetime.fromisoformat(record.stop_requested) if record.stop_requested else None, grace_seconds))
-    return meter
-
-
-class JobLife:
+class JobLife(Sending, Watching):
     """The life of one job on this host, from taking the run to closing its meter."""
 
-    def __init__(self, worker: E31Worker, flow_run: FlowRun, configuration: E31JobConfiguration | None,
+    def __init__(self, worker: LifeWorker, flow_run: FlowRun, configuration: LifeConfiguration | None,
                  task_status: anyio.abc.TaskStatus[Any] = anyio.TASK_STATUS_IGNORED, owner: int | None = None):
         self.worker = worker
         self.flow_run = flow_run
@@ -353,29 +264,6 @@ class JobLife:
         self.meter.mark("staged", now())
         self.report.step("staged", files=staged.files, bytes=staged.bytes, seconds=round(staged.seconds, 3))
 
-    @asynccontextmanager
-    async def output_disk(self) -> AsyncIterator[None]:
-        """The run's output dir as a disk of its own (:mod:`e31_prefect.disk`) from staging until its outputs
-        are sent, where the host allows; else the worker's watch bounds what the work writes.
-
-        Unmounted once the outputs are sent or kept. A life that ends otherwise (a step failed, the worker
-        is stopping, the API is down) leaves it to the removal of the workspace, which unmounts it where
-        the run is released, here or by the worker that adopts it: its outputs may still be to send.
-        """
-        output_dir = self.workspace / "output"
-        output_dir.mkdir(parents=True, exist_ok=True)
-        why_not = disk.can_mount() if self.bounds is not None else "no bounds"
-        if why_not is None and not os.path.ismount(output_dir):
-            try:
-                await anyio.to_thread.run_sync(disk.mount, self.workspace, output_dir, self.bounds)
-            except disk.DiskError as exc:
-                why_not = str(exc)
-        if why_not is not None:
-            self.log.info("The output dir is not a disk of its own (%s): the worker watches its size and files",
-                          why_not)
-        yield
-        await anyio.to_thread.run_sync(disk.unmount_under, self.workspace)
-
     # -- rent -------------------------------------------------------------------------------------
 
     @asynccontextmanager
@@ -521,211 +409,6 @@ class JobLife:
         self.report.step("running", self.devices, infrastructure=str(record.infrastructure))
         self._signal_started(infrastructure_id(self.run_id))
 
-    @asynccontextmanager
-    async def watching(self, supervisor: Supervisor) -> AsyncIterator[None]:
-        """While the work runs: stop it when the run is cancelled, and keep the quota lease renewed.
-
-        A worker run by ``e31 run`` also shows the work's output as it comes.
-        """
-        echo = OutputEcho(self.folder.output_log) if self.worker._only_flow_run_ids is not None else None
-        async with anyio.create_task_group() as watchers:
-            watchers.start_soon(self._watch, supervisor)
-            if echo is not None:
-                watchers.start_soon(echo.follow)
-            try:
-                yield
-            finally:
-                watchers.cancel_scope.cancel()
-                if echo is not None:
-                    echo.flush()
-
-    async def _watch(self, supervisor: Supervisor) -> None:
-        renewed: datetime | None = now() if self.lease is not None and self.infrastructure else None
-        while True:
-            await anyio.sleep(self.worker.settings.watch_seconds)
-            if renewed is None or (now() - renewed).total_seconds() > quotas.LEASE_SECONDS / 3:
-                with contextlib.suppress(Exception):
-                    await self._keep_slots()
-                    renewed = now()
-            with contextlib.suppress(OSError):  # a folder the job removes while it is counted: counted next time
-                if self._passed is None and await self._over_bounds():
-                    supervisor.stop()
-            with contextlib.suppress(Exception):
-                state = await self.worker.run_states.state(self.run_id)  # one read for all runs here
-                if state is not None and state.is_cancelling():
-                    self.log.info("Cancellation requested: stopping the run")
-                    supervisor.stop()
-
-    async def _over_bounds(self) -> bool:
-        """Where the output dir is no disk of its own, whether the work wrote past its bounds (then it is stopped)."""
-        output_dir = self.workspace / "output"
-        if self.bounds is None or os.path.ismount(output_dir):
-            return False  # the kernel bounds a disk of its own
-        usage = await anyio.to_thread.run_sync(disk.measure, output_dir, self.bounds)
-        self._passed = output_bounds.overrun(self.bounds, usage)
-        if self._passed is not None:
-            self.log.error("%s The work is stopped.", self._passed.message)
-        return self._passed is not None
-
-    async def _keep_slots(self) -> None:
-        """Renew the run's quota lease; one that expired (its worker died, the API was down longer than a
-        lease) is taken again, so a running run counts against its quotas."""
-        if self.holding is None or self.holding.gpus == 0:
-            return
-        if self.lease is not None and await quotas.renew(self.worker.client, self.lease):
-            return
-        names = quotas.limit_names(self.holding.pool or self.worker._work_pool_name, self.holding.team)
-        try:
-            self.lease = await quotas.acquire(self.worker.client, names, self.holding.gpus, self.run_id)
-        except (quotas.QuotaFull, quotas.OverQuota) as exc:
-            self.lease = None
-            self.log.warning("This running run holds no quota slots (its lease expired and %s)", exc)
-            return
-        self.holding.lease = str(self.lease) if self.lease else None
-        self._save()
-
-    # -- judge and send ---------------------------------------------------------------------------
-
-    async def after_work(self, job: Job, record: Record | None, died: Ending) -> Ending | None:
-        """Judge how the work ended, then send its outputs (which may end the run in turn)."""
-        assert self.holding is not None
-        self.meter = meter_from(self.holding, record, self.worker.settings.stop_grace_seconds)
-        self.worker.meters[self.run_id] = self.meter
-        self._save()
-        ending = judge(record, await self._flow_state(), died, job, output_tail(self.folder.output_log))
-        passed = await self._bound_passed()
-        stopped_for_it = self._passed is not None or (record is not None and record.ending == "output-bound")
-        if passed is not None and (output_bounds.stops_ending(ending) or stopped_for_it):
-            ending = passed
-        if ending is not None:
-            self.report.step(ending.event, self.devices)
-            await self._set_state(ending)
-        sent = await self.send(job)
-        if sent is not None:
-            await self._set_state(sent)
-        return sent or ending
-
-    async def _bound_passed(self) -> Ending | None:
-        """The ending for a bound the work passed (its disk, its number of outputs), if it did."""
-        if self.bounds is None:
-            return self._passed
-        usage = await anyio.to_thread.run_sync(disk.measure, self.workspace / "output", self.bounds)
-        return output_bounds.overrun(self.bounds, usage) or self._passed
-
-    async def _flow_state(self) -> State | None:
-        return (await self.worker.client.read_flow_run(self.run_id)).state
-
-    async def send(self, job: Job) -> Ending | None:
-        """Send the output dir to its destination; keep it in the spool if the store will not take it.
-
-        Only the job's own files go (regular files with one name); a link or special file it left is
-        not followed, and the log, the ``output`` event, an artifact and the run's final message name it.
-        """
-        from e31_prefect import confine
-
-        assert self.holding is not None
-        output_dir = self.workspace / "output"
-        destination = self.holding.destination or self._destination(job)
-        try:
-            sent = await anyio.to_thread.run_sync(functools.partial(
-                upload_outputs, output_dir, destination, self.options, 3, 1.0, self.log, **self._send_bounds()),
-                abandon_on_cancel=True)
-        except UploadError as exc:
-            state = await self._flow_state()
-            bounded = self._send_bounds()
-            kept = await anyio.to_thread.run_sync(functools.partial(
-                spool.keep, output_dir, self.worker.settings.spool, str(self.run_id), destination, job.storage,
-                job.name, state.name if state else None, str(exc), bounded["max_entries"], bounded["max_bytes"]))
-            self.holding.destination = kept.outputs_url
-            await spool.record_kept(self.worker.client, self.run_id, kept)
-            return endings.OUTPUT_NOT_SENT.saying(kept.message())
-        self.meter.mark("output", now())
-        self._save()
-        self.report.step("output", files=sent.files, bytes=sent.bytes, destination=destination,
-                         skipped=[str(item) for item in sent.skipped])
-        if sent.skipped:
-            await self._record_skipped(job, sent.skipped)
-        missing = missing_outputs(output_dir, job.output.expect)
-        state = await self._flow_state()
-        not_sent = f" {confine.skipped_summary(sent.skipped)}." if sent.skipped else ""
-        if missing and state is not None and state.is_completed():
-            return endings.OUTPUT_MISSING.saying("Expected output missing: " + ", ".join(missing)
-                                                 + f" (the run wrote {sent.files} file(s) to {destination})."
-                                                 + not_sent)
-        await results.point_result_at_outputs(self.worker.client, self.run_id, output_dir, destination,
-                                              self.storage, self.log)
-        if sent.skipped:
-            await self._say_in_final_state(not_sent.strip())
-        return None
-
-    def _send_bounds(self) -> dict[str, Any]:
-        """What :func:`~e31_prefect.staging.upload_outputs` may send: the run's files, bytes and time."""
-        bounds = self.bounds or output_bounds.bounds_for(None, None, None, None)
-        return {"max_entries": bounds.max_files, "max_bytes": bounds.disk_bytes, "time_limit": bounds.send_seconds}
-
-    async def _record_skipped(self, job: Job, skipped: tuple[Any, ...]) -> None:
-        """An artifact on the run naming each entry of its output dir that was not sent, and why."""
-        from prefect.client.schemas.actions import ArtifactCreate
-
-        lines = [f"**{len(skipped)} entr{'y' if len(skipped) == 1 else 'ies'} of the output dir not sent.** Only "
-                 "regular files with one name are the job's own bytes: links (symbolic or hard) are never "
-                 "followed and special files are never read.", "",
-                 *(f"- `{item.path}`: {item.why}" for item in skipped)]
-        try:
-            await self.worker.client.create_artifact(ArtifactCreate(
-                key=reporting.artifact_key("e31-skipped", job.name), type="markdown",
-                description=f"{len(skipped)} output(s) of {job.name} not sent: links, special files or past its "
-                            "bounds",
-                data="\n".join(lines), flow_run_id=self.run_id))
-        except Exception as exc:  # the log and the final message still name them
-            self.log.warning("The artifact naming the outputs not sent could not be created: %s", exc)
-
-    async def _say_in_final_state(self, note: str) -> None:
-        """Add ``note`` to the run's final state message, keeping its state and result."""
-        from prefect.results import ResultRecord, ResultRecordMetadata
-
-        state = await self._flow_state()
-        if state is None or not state.is_final() or note in (state.message or ""):
-            return
-        data: Any = state.data
-        if isinstance(data, ResultRecordMetadata):
-            data = ResultRecord(result=None, metadata=data)
-            data.mark_persisted()  # already written: Prefect sends its metadata only
-        message = f"{state.message.rstrip()} {note}" if state.message else note
-        await self.worker.client.set_flow_run_state(
-            self.run_id, State(type=state.type, name=state.name, message=message, data=data), force=True)
-
-    def _destination(self, job: Job) -> str:
-        """Where the run's outputs go: ``output.to`` with each template value one path segment.
-
-        A ``file://`` destination is returned as its real path, and only under the folders this run may
-        write: the job's folder, the team's roots (``E31_FILE_ROOTS``) and the run's own folder of the
-        worker's outputs; anywhere else ends the run ``InvalidJob``.
-        """
-        from e31_prefect import confine
-
-        settings = self.worker.settings
-        outputs = settings.home.expanduser() / "outputs"
-        template = job.output.to or f"file://{outputs}/{{flow_run.id}}/"
-        url = confine.format_destination(template, str(self.run_id), self.flow_run.name,
-                                         scheduled_start(self.flow_run).date().isoformat(), job.name)
-        if "://" in url and not url.startswith("file://"):
-            return url
-        roots = [*self._file_roots(job), outputs / str(self.run_id)]
-        try:
-            real = confine.confine_file_url(url, roots, "output.to", job.team)
-        except confine.PathRefused as exc:
-            raise Ends(endings.INVALID_JOB.saying(f"The job's outputs may not go there: {exc}.")) from None
-        return f"file://{real.rstrip('/')}/"
-
-    def _file_roots(self, job: Job) -> list[Path]:
-        """The folders the run may name in ``file://``: its team's (``E31_FILE_ROOTS``) and its job's folder
-        (the job file's, else the deployment's code folder)."""
-        from e31_prefect import confine
-
-        folder = getattr(self.configuration, "_job_folder", None) or getattr(self.configuration, "_code_folder", None)
-        return confine.run_roots(self.worker.settings.file_roots, job.team, folder)
-
     # -- release ----------------------------------------------------------------------------------
 
     async def _set_state(self, ending: Ending | None) -> None:
@@ -803,7 +486,7 @@ class JobLife:
     # -- adoption ---------------------------------------------------------------------------------
 
     @classmethod
-    async def adopt(cls, worker: E31Worker, folder: RunFolder, owner: int) -> Ending | None:
+    async def adopt(cls, worker: LifeWorker, folder: RunFolder, owner: int) -> Ending | None:
         """Finish the life of a run whose worker died, from the step its ledger folder reached.
 
         ``owner``: the run's owner lock, taken by the adopting worker.
@@ -872,33 +555,6 @@ class JobLife:
         if "output" in self.meter.marks:
             return None
         return await self.after_work(job, record, died)
-
-
-class OutputEcho:
-    """The work's output (its supervisor writes it to a file) copied to this process's output as it grows."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self.offset = 0
-
-    def flush(self) -> None:
-        """Copy what was written since the last time."""
-        try:
-            with open(self.path, "rb") as log:
-                log.seek(self.offset)
-                data = log.read()
-        except OSError:
-            return
-        self.offset += len(data)
-        if data:
-            sys.stdout.write(data.decode(errors="replace"))
-            sys.stdout.flush()
-
-    async def follow(self) -> None:
-        """Flush every fraction of a second, until cancelled."""
-        while True:
-            self.flush()
-            await anyio.sleep(0.2)
 
 
 def _stop_leftovers(folder: RunFolder) -> None:

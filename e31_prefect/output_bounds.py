@@ -105,7 +105,7 @@ def bounds_for(disk: str | None, default_disk: str | None, max_output_files: obj
                output_send_seconds: object) -> OutputBounds:
     """A run's bounds from its ``request.disk`` and its pool's settings; ValueError naming a bad pool setting,
     its value and the fix (a job's own ``request.disk`` was checked with the job)."""
-    from e31_prefect.job import parse_disk
+    from e31_prefect.job_values import parse_disk
 
     chosen = disk or default_disk or DEFAULT_DISK
     try:

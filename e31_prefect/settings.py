@@ -11,7 +11,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from e31_prefect.job import SIZE_HINT, parse_bytes
+from e31_prefect.job_values import SIZE_HINT, parse_bytes
 
 # A Prefect server's setting e31 relies on: quota leases on disk, not in the server's memory, so a
 # restarted server still knows which slots are held and frees those whose lease ran out (leases in

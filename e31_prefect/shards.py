@@ -17,13 +17,38 @@ from collections import Counter, deque
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from e31_prefect.job import Job
+from typing import Any, Protocol
 
 SHARDS_VARIABLE = "E31_SHARDS"  # the job's shard settings, as JSON, for the built-in flow that runs them
 SHARD_PARAMETERS = ("shard_index", "shard_count")  # what each shard of a sharded flow receives
+
+
+class _ShardsDeclared(Protocol):
+    """What a job's ``work:`` says of its shards (:class:`e31_prefect.job_work.Work`)."""
+
+    shards: int | None
+    gpus_per_shard: int | None
+    shards_per_gpu: int | None
+    shard_retries: int | None
+    allow_failed_shards: int | float | None
+    reduce: list[str] | None
+
+
+class _GpusRequested(Protocol):
+    """How many GPUs a job's ``request:`` rents (:class:`e31_prefect.job.Request`)."""
+
+    gpus: int
+
+
+class ShardedJob(Protocol):
+    """What :meth:`ShardSettings.of` reads of a job: a Protocol, so that shards need not import the job model
+    (which imports shards to check a job's shard fields)."""
+
+    @property
+    def work(self) -> _ShardsDeclared: ...
+
+    @property
+    def request(self) -> _GpusRequested: ...
 
 
 @dataclass(frozen=True)
@@ -45,7 +70,8 @@ class ShardSettings:
     folder: str | None = None
 
     @classmethod
-    def of(cls, job: Job, command: Sequence[str] | None = None, folder: str | None = None) -> ShardSettings | None:
+    def of(cls, job: ShardedJob, command: Sequence[str] | None = None,
+           folder: str | None = None) -> ShardSettings | None:
         """The job's shard settings with their defaults filled in; None for a job without shards.
 
         ``command`` and ``folder``: what the run's shards will run and where, where the worker knows.
@@ -116,7 +142,7 @@ def missing_parameters_fix(flow: str, missing: Sequence[str]) -> str:
 
 def shard_parameters(parameters: Mapping[str, Any], index: int, count: int) -> dict[str, Any]:
     """A flow shard's parameters: the job's own and its shard (the job's cannot name these two:
-    :meth:`e31_prefect.job.Work.shard_problems`)."""
+    :meth:`e31_prefect.job_work.Work.shard_problems`)."""
     return {**parameters, "shard_index": index, "shard_count": count}
 
 

@@ -21,7 +21,10 @@ from prefect.utilities.callables import parameter_schema_from_entrypoint
 
 from e31_prefect.command_flow import COMMAND_FLOW_ENTRYPOINT, COMMAND_FLOW_NAME
 from e31_prefect.flow_shards import FLOW_SHARDS_ENTRYPOINT, FLOW_SHARDS_NAME
-from e31_prefect.job import Job, JobError, Problem, flow_file, plan, plan_problems
+from e31_prefect.job import Job
+from e31_prefect.job_file import flow_file
+from e31_prefect.job_plan import plan, plan_problems
+from e31_prefect.job_values import JobError, Problem
 
 DEFAULT_POOL = "e31"
 

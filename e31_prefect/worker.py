@@ -17,14 +17,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import json
 import os
 import signal
 import socket
-from collections.abc import Iterable
-from dataclasses import replace
 from datetime import datetime, timedelta, timezone
-from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 from uuid import UUID
@@ -33,264 +29,42 @@ import anyio
 import anyio.abc
 from prefect.client.schemas.objects import FlowRun
 from prefect.context import TagsContext
-from prefect.exceptions import InfrastructureNotAvailable, InfrastructureNotFound, ObjectNotFound
+from prefect.exceptions import InfrastructureNotAvailable, InfrastructureNotFound
 from prefect.states import Pending
-from prefect.workers.base import BaseVariables, BaseWorkerResult
-from prefect_docker.worker import DockerWorker, DockerWorkerJobConfiguration
-from pydantic import Field, PrivateAttr, create_model
+from prefect.workers.base import BaseWorkerResult
+from prefect_docker.worker import DockerWorker
 
 from e31_prefect import (
     backlog,
     endings,
     home_files,
     inventories,
-    output_bounds,
     plan_artifact,
-    quotas,
-    reporting,
-    timing,
 )
-from e31_prefect.backlog_watch import Page, WatchedBacklog
+from e31_prefect.backlog_watch import WatchedBacklog
 from e31_prefect.blocks import E31Storage
-from e31_prefect.command_flow import COMMAND_FLOW_ENTRYPOINT
-from e31_prefect.flow_shards import FLOW_SHARDS_ENTRYPOINT
 from e31_prefect.inventory import Inventory, discover
-from e31_prefect.job import JOB_VARIABLE_KEYS, Job, Problem, anchor, code_root, job_name
 from e31_prefect.ledger import Holding, Ledger, RunFolder, this_process
-from e31_prefect.life import JobLife, infrastructure_id, parse_infrastructure_id, scheduled_start
+from e31_prefect.life import JobLife
+from e31_prefect.life_terms import infrastructure_id, parse_infrastructure_id
 from e31_prefect.meter import Meter
 from e31_prefect.run_history import RunHistory
 from e31_prefect.run_states import RunStates, read_states
-from e31_prefect.runtimes import SET_FOR_THE_RUN
-from e31_prefect.runtimes import container as containers
-from e31_prefect.scheduling import Busy, WaitingQueue, WaitingRun, decide, plan
+from e31_prefect.scheduling import Busy, WaitingQueue, WaitingRun, decide
 from e31_prefect.settings import E31Settings
 from e31_prefect.supervision import Supervisor
+from e31_prefect.worker_backlog import BacklogReading
+from e31_prefect.worker_configuration import E31JobConfiguration, E31Variables
 
 if TYPE_CHECKING:
-    from prefect.client.schemas.objects import Flow as APIFlow
-    from prefect.client.schemas.objects import WorkPool, WorkQueue
-    from prefect.client.schemas.responses import DeploymentResponse, WorkerFlowRunResponse
-
-
-def _job_fields(raw: bool) -> dict[str, Any]:
-    """The job's own fields (team, work, data, request, output, ...), declared once, on the :class:`Job` model.
-
-    The pool's form shows them as the model declares them; the job configuration takes them as
-    raw values, checked by the model when a run is lived, so a bad one fails that run with the
-    job file's own message instead of failing the poll.
-    """
-    fields: dict[str, Any] = {}
-    for key in JOB_VARIABLE_KEYS:
-        info = Job.model_fields[key]
-        annotation = Any if raw else info.annotation | None
-        fields[key] = (annotation, Field(default=None, title=info.title, description=info.description,
-                                         examples=info.examples))
-    return fields
-
-
-def _docker_fields() -> dict[str, Any]:
-    """prefect-docker's job variables, declared by prefect-docker, each described as it works on an e31 pool."""
-    fields: dict[str, Any] = {}
-    for name, meaning in containers.DOCKER_SETTINGS.items():
-        info = DockerWorkerJobConfiguration.model_fields[name]
-        # No default image: prefect-docker computes one (with a git subprocess) that an e31 job never uses.
-        annotation, default = (str | None, None) if name == "image" else (
-            info.annotation, info.get_default(call_default_factory=True))
-        fields[name] = (annotation, Field(default=default, title=info.title, description=meaning,
-                                          examples=info.examples))
-    return fields
-
-
-class _PoolSettings(BaseVariables):
-    """The e31 work pool's form: the job's fields, prefect-docker's settings, and this one of e31's."""
-
-    command: str | None = Field(
-        default=None, title="Command",
-        description="Refused: e31 runs Prefect's engine itself; a job's work is its work.flow or work.command.")
-    env: dict[str, str | None] = Field(
-        default_factory=dict, title="Environment Variables",
-        description="Environment variables to set when starting a flow run (a job's own are its work.env). "
-        "Refused: PREFECT_API_URL (a job reaches Prefect through its run's gateway), Prefect's credentials, "
-        "server settings and home, and what e31 sets for each run: " + ", ".join(SET_FOR_THE_RUN) + ".")
-    gpu_device_requests: containers.GpuRequests = Field(
-        default="auto", title="GPU device requests",
-        description="Send containers a device request for their GPUs: auto (when the engine has the NVIDIA "
-        "runtime), on or off. The visible-devices variables are always set.",
-        examples=["auto"])
-    default_disk: str = Field(
-        default=output_bounds.DEFAULT_DISK, title="Default disk",
-        description="Disk a run may write in its output dir when its job sets no request.disk (bytes or 512m, "
-        "16g, 2Gi). A run that fills it ends DiskLimit, keeping what it wrote.",
-        examples=["20g"])
-    max_output_files: int = Field(
-        default=output_bounds.DEFAULT_MAX_OUTPUT_FILES, title="Most output files",
-        description="Files and folders a run may leave in its output dir. A run past it ends TooManyOutputs and "
-        "the first ones are sent.",
-        examples=[100000])
-    output_send_seconds: int = Field(
-        default=output_bounds.DEFAULT_SEND_SECONDS, title="Time to send outputs",
-        description="Seconds a run's outputs may take to send (on unbilled worker time); what is left then "
-        "stays in the spool (e31 outputs retry), the run OutputNotSent.",
-        examples=[3600])
-
-
-E31Variables = create_model("E31Variables", __base__=_PoolSettings, __module__=__name__, **_docker_fields(),
-                            **_job_fields(raw=False))
-E31Variables.__doc__ = "The e31 work pool's form: the job's team, work, data, request and output, and the pool's."
-
-
-class _Configuration(DockerWorkerJobConfiguration):
-    """One flow run's job as the worker receives it: raw job variables, validated in :meth:`job`."""
-
-    gpu_device_requests: containers.GpuRequests = Field(default="auto")
-    image: str | None = Field(default=None)  # a job's image is its work.image; no default is computed
-    # The pool's bounds on outputs, raw: a bad value fails its run naming it (output_bounds.bounds_for).
-    default_disk: Any = Field(default=None)
-    max_output_files: Any = Field(default=None)
-    output_send_seconds: Any = Field(default=None)
-
-    _job_name: str = PrivateAttr(default="job")
-    _command_given: str | None = PrivateAttr(default=None)
-    _env_given: dict[str, Any] | None = PrivateAttr(default=None)
-    _labels_given: dict[str, Any] | None = PrivateAttr(default=None)
-    _job_folder: Path | None = PrivateAttr(default=None)
-    _code_folder: Path | None = PrivateAttr(default=None)
-    _entrypoint: str | None = PrivateAttr(default=None)
-    _shards_start: tuple[list[str], str] | None = PrivateAttr(default=None)
-
-    @classmethod
-    def json_template(cls) -> dict[str, Any]:
-        """Template only what the pool's form offers; the rest of a container is the worker's to set."""
-        return {k: v for k, v in super().json_template().items() if k in E31Variables.model_fields}
-
-    def prepare_for_flow_run(
-        self,
-        flow_run: FlowRun,
-        deployment: DeploymentResponse | None = None,
-        flow: APIFlow | None = None,
-        work_pool: WorkPool | None = None,
-        worker_name: str | None = None,
-        worker_id: UUID | None = None,
-    ) -> None:
-        """Stamp Prefect's environment and labels; the job is named after its deployment."""
-        self._command_given, self._env_given, image = self.command, dict(self.env or {}), self.image
-        self._labels_given = dict(self.labels or {})
-        self.image = image or "unused"  # spares prefect-docker computing a default image (a git subprocess)
-        super().prepare_for_flow_run(flow_run, deployment, flow, work_pool, worker_name, worker_id=worker_id)
-        self.image = image
-        self._job_name = job_name(deployment.name if deployment else flow_run.name)  # Prefect allows spaces
-        self._job_folder = job_folder(deployment)
-        self._code_folder = code_folder(deployment)
-        self._entrypoint = deployment.entrypoint if deployment else None
-        self._shards_start = shards_start(flow_run, deployment)
-        entrypoint = (getattr(self, "work", None) or {}).get("flow")
-        if deployment is None and entrypoint:
-            # A run with no deployment (an @e31 flow) names its source file: the flow is loaded
-            # from there, and the file's folder is its code (mounted read-only in a container).
-            folder = Path(entrypoint.rsplit(":", 1)[0]).parent
-            self.env["PREFECT__FLOW_ENTRYPOINT"] = self._entrypoint = entrypoint
-            self._job_folder = self._code_folder = folder if folder.is_dir() else None
-            if flow is not None:
-                self._job_name = job_name(flow.name)
-
-    @property
-    def entrypoint(self) -> str | None:
-        """The flow the run's deployment (or decorated flow) runs, where known."""
-        return self._entrypoint
-
-    @property
-    def shards_start(self) -> tuple[list[str], str] | None:
-        """What a sharded command's shards run and in which folder, where known before the work starts."""
-        return self._shards_start
-
-    def job(self, name: str | None = None) -> Job:
-        """The validated job; raises :class:`JobError` naming each bad field.
-
-        Relative local paths (as a hand-written deployment may give) are read from the deployment's folder.
-        """
-        job = Job.from_job_variables({k: getattr(self, k) for k in JOB_VARIABLE_KEYS}, name=name or self._job_name)
-        return anchor(job, self._code_folder) if self._code_folder else job
-
-    def setting_problems(self, allowed_volumes: list[Path]) -> list[Problem]:
-        """The prefect-docker settings of this run that an e31 pool refuses, each with the e31 way instead."""
-        settings = {name: getattr(self, name) for name in containers.DOCKER_SETTINGS}
-        # As given, before Prefect adds its own.
-        env = self.env if self._env_given is None else self._env_given
-        labels = self.labels if self._labels_given is None else self._labels_given
-        return containers.setting_problems({**settings, "command": self._command_given, "env": env,
-                                            "labels": labels}, allowed_volumes)
-
-    def code_mount(self) -> Path | None:
-        """The folder of the job's code that its container sees read-only at its own path: the job's folder,
-        or the project folder holding it and a flow file that lives beside it (``../flows/x.py``)."""
-        if self._job_folder is None:
-            return None
-        source = (self._entrypoint or "").rsplit(":", 1)[0]
-        if self._entrypoint == FLOW_SHARDS_ENTRYPOINT:  # e31's flow shards: the code is the job's work.flow
-            source = ((getattr(self, "work", None) or {}).get("flow") or "").rsplit(":", 1)[0]
-        if not source.endswith(".py"):
-            return self._job_folder  # a module (e31's command flow): the command runs in the job's folder
-        return code_root(self._job_folder, (self._job_folder / source).resolve()) or self._job_folder
-
-
-E31JobConfiguration = create_model("E31JobConfiguration", __base__=_Configuration, __module__=__name__,
-                                   **_job_fields(raw=True))
-
-
-SET_WORKING_DIRECTORY = "prefect.deployments.steps.set_working_directory"  # a local deployment's pull step
-
-
-def shards_start(flow_run: FlowRun, deployment: DeploymentResponse | None) -> tuple[list[str], str] | None:
-    """The command a run of e31's command flow gives its shards (its parameter) and the folder they run in,
-    where nothing but moving into that folder comes first (the deployment's only pull step, as e31 submit
-    and a local ``prefect deploy`` write): the job's entry can start them before Prefect loads. Else None.
-    """
-    if deployment is None or deployment.entrypoint != COMMAND_FLOW_ENTRYPOINT:
-        return None
-    steps = deployment.pull_steps or []
-    if len(steps) != 1 or list(steps[0]) != [SET_WORKING_DIRECTORY]:
-        return None
-    folder, command = steps[0][SET_WORKING_DIRECTORY].get("directory"), flow_run.parameters.get("command")
-    if not (isinstance(command, list) and command and all(isinstance(part, str) for part in command)):
-        return None
-    return (command, folder) if isinstance(folder, str) and os.path.isabs(folder) and os.path.isdir(folder) else None
-
-
-def code_folder(deployment: DeploymentResponse | None) -> Path | None:
-    """Where a deployment's code lives on this host: the folder its pull step moves into (``prefect deploy``
-    of local code writes a ``set_working_directory`` step, as e31 does), else its path.
-
-    The pull step first: it is where the flow really runs, and ``prefect deploy`` over a deployment
-    that e31 made keeps the old ``path``.
-    """
-    if deployment is None:
-        return None
-    folders = [step[SET_WORKING_DIRECTORY].get("directory")
-               for step in deployment.pull_steps or [] if SET_WORKING_DIRECTORY in step]
-    folders += [deployment.path] if deployment.path else []
-    return next((Path(folder) for folder in folders if folder and Path(folder).is_dir()), None)
-
-
-def job_folder(deployment: DeploymentResponse | None) -> Path | None:
-    """The job file's folder on this host, for a deployment made from a job file (its code lives there)."""
-    if deployment is None or not deployment.path:
-        return None
-    steps = deployment.pull_steps or []
-    made_by_e31 = steps == [{SET_WORKING_DIRECTORY: {"directory": deployment.path}}]
-    folder = Path(deployment.path)
-    return folder if made_by_e31 and folder.is_dir() else None
-
-
-LOWEST_QUEUE_PRIORITY = 2**31  # a run whose work queue is unknown goes after every known queue's
-DEPLOYMENT_READS_AT_ONCE = 8  # a backlog from many deployments reads them together, not all at one instant
+    from prefect.client.schemas.responses import WorkerFlowRunResponse
 
 
 class E31WorkerResult(BaseWorkerResult):
     """How a flow run's infrastructure ended."""
 
 
-class E31Worker(DockerWorker):
+class E31Worker(BacklogReading, DockerWorker):
     """Runs E31 jobs on this host's GPUs: stage, rent, run, output, release, metered."""
 
     type = "e31"
@@ -550,188 +324,6 @@ class E31Worker(DockerWorker):
         if run_id in self.predicted_length:
             self.predicted_until[run_id] = at + self.predicted_length[run_id]
 
-    async def _pool_plan(self, waiting: dict[UUID, tuple[WaitingRun, str, str | None]],
-                         responses: list[WorkerFlowRunResponse]) -> tuple[list[dict[str, str]], Any]:
-        """The pool's plan artifact rows (its waiting runs over the live workers' published devices), and
-        how to write them."""
-        hosts = await inventories.read(self.client, self._work_pool_name)
-        now = datetime.now(timezone.utc)
-        planned = plan([run for run, _, _ in waiting.values()], [(h.free, h.busy) for h in hosts], now)
-        names = {r.flow_run.id: (r.flow_run.name, waiting[r.flow_run.id][1]) for r in responses
-                 if r.flow_run.id in waiting}
-        return plan_artifact.table(planned, names), functools.partial(
-            plan_artifact.write, self.client, self._work_pool_name, now=now)
-
-    def _due_by(self) -> datetime:
-        """The latest scheduled start a poll takes: now and Prefect's prefetch."""
-        return datetime.now(timezone.utc) + timedelta(seconds=int(self._prefetch_seconds))
-
-    async def _backlog(self, queues: dict[UUID, WorkQueue] | None,
-                       page: Page | None = None) -> list[WorkerFlowRunResponse]:
-        """Every due run of the pool's (or this worker's) work queues: kept between polls where the pool's
-        events are followed (:mod:`e31_prefect.backlog_watch`), else read page by page (:mod:`e31_prefect.backlog`).
-
-        Without the pool's queues (their read failed) it is Prefect's own single page, as a stock worker reads.
-        Prefect's worker endpoint gives nothing of a paused queue or pool and caps a queue or pool with a
-        concurrency limit at its free slots; such queues (few runs by their limit) are read whole on each poll.
-        """
-        if queues is None and not self._work_queues:
-            return await self._get_scheduled_flow_runs()
-        names = sorted(self._work_queues) if self._work_queues else [queue.name for queue in queues.values()]
-        due_by = self._due_by()
-        pool = self._work_pool
-        watch = self.backlog_watch
-        queue_names = {queue.id: queue.name for queue in (queues or {}).values()}
-        if watch is None or queues is None or pool is None or pool.concurrency_limit is not None:
-            return backlog.with_queue_names(
-                await backlog.read_backlog(self.client, self._work_pool_name, names, due_by), queue_names)
-        if pool.is_paused:
-            return []
-        by_name = {queue.name: queue for queue in queues.values()}
-        limited = [name for name in names if name in by_name and by_name[name].concurrency_limit is not None]
-        kept = {by_name[name].id: name for name in names
-                if name in by_name and name not in limited and not by_name[name].is_paused}
-        found = await watch.runs(kept, due_by, page) if kept else []
-        if limited:
-            found += backlog.with_queue_names(
-                await backlog.read_backlog(self.client, self._work_pool_name, limited, due_by), queue_names)
-        return found
-
-    async def _read_deployments(self, ids: Iterable[UUID]) -> dict[UUID, DeploymentResponse | None]:
-        """The deployments ``ids``, read at once; None for one that is gone."""
-        at_once = asyncio.Semaphore(DEPLOYMENT_READS_AT_ONCE)
-
-        async def read(deployment_id: UUID) -> DeploymentResponse | None:
-            async with at_once:
-                try:
-                    return await self.client.read_deployment(deployment_id)
-                except ObjectNotFound:
-                    return None
-
-        ids = list(ids)
-        return dict(zip(ids, await asyncio.gather(*map(read, ids)), strict=True))
-
-    async def _waiting_runs(self, responses: list[WorkerFlowRunResponse], queues: dict[UUID, WorkQueue] | None = None,
-                            deployments: dict[UUID, DeploymentResponse | None] | None = None,
-                            ) -> dict[UUID, tuple[WaitingRun, str, str | None]]:
-        """Each scheduled run as the scheduler sees it, with its job's name and team.
-
-        A run is templated and parsed once and kept (:attr:`evaluations`) until it, its work queue's
-        priority, its deployment or the pool's template changes. Given the very list of runs of the last
-        call (a kept backlog where nothing changed) and the same queues, deployments and template, it is
-        the very answer of the last call, found without a look at each run.
-        """
-        deployments = dict(deployments or {})
-        priorities = {queue_id: queue.priority for queue_id, queue in (queues or {}).items()}
-        template = json.dumps(self.work_pool.base_job_template, sort_keys=True, default=str)
-
-        def around() -> tuple[Any, ...]:
-            """What the evaluations stand on besides the runs themselves."""
-            return (priorities, {key: d.updated if d else None for key, d in deployments.items()}, template,
-                    self.history.generation)
-
-        await self.history.update(self.client, self._deployments)  # a few ids: the last poll's runs' deployments
-        last = self._last_waiting
-        if last is not None and last[0] is responses and last[1] == around():
-            return last[2]
-        flow_runs = [response.flow_run for response in responses]
-        waiting = {}
-        jobs: dict[str, Job | Exception] = {}
-        deployments.update(await self._read_deployments(
-            {run.deployment_id for run in flow_runs if run.deployment_id and run.deployment_id not in deployments}))
-        self._deployments = {run.deployment_id for run in flow_runs if run.deployment_id}
-        await self.history.update(self.client, self._deployments)  # a new deployment's record, before its runs' plan
-        for flow_run in flow_runs:
-            deployment = deployments.get(flow_run.deployment_id) if flow_run.deployment_id else None
-            queue_priority = priorities.get(flow_run.work_queue_id, LOWEST_QUEUE_PRIORITY)
-            version = (flow_run.updated, flow_run.state_id, flow_run.work_queue_id, queue_priority,
-                       deployment.updated if deployment else None, template,
-                       self.history.version(flow_run.deployment_id))
-            evaluated = self.evaluations.get(flow_run.id, version)
-            if evaluated is None:
-                run, name, team = await self._evaluate(flow_run, deployment, jobs)
-                evaluated = (replace(run, queue_priority=queue_priority), name, team)
-                self.evaluations.keep(flow_run.id, version, evaluated)
-            # The same object poll after poll while nothing changed: the queue's sync sees that at a glance.
-            waiting[flow_run.id] = evaluated
-        self.evaluations.retain(waiting)
-        self._last_waiting = (responses, around(), waiting)  # with the deployments read since the check
-        return waiting
-
-    async def _evaluate(self, flow_run: FlowRun, deployment: DeploymentResponse | None,
-                        jobs: dict[str, Job | Exception]) -> tuple[WaitingRun, str, str | None]:
-        name = job_name(deployment.name if deployment else flow_run.name)
-        try:
-            run, team = await self._waiting_run(flow_run, deployment, name, jobs)
-        except Exception as exc:
-            # Whatever this run carries (a job variable of the wrong shape, a date out of any
-            # range), it is taken at once, on no device, so that its life fails it with the reason.
-            self._logger.warning("Flow run %s cannot be read as a job (%s: %s); it is taken to fail",
-                                 flow_run.id, type(exc).__name__, exc)
-            run, team = WaitingRun(flow_run.id, 0, None, scheduled_start(flow_run)), None
-        return run, name, team
-
-    async def _pool_queues(self) -> dict[UUID, WorkQueue] | None:
-        """The pool's work queues by id (their priorities order runs, 1 first), read once per poll;
-        None if they cannot be read now."""
-        try:
-            return {queue.id: queue for queue in await self.client.read_work_queues(
-                work_pool_name=self._work_pool_name)}
-        except Exception as exc:
-            self._logger.warning("Could not read the pool's work queues (%s); their priorities are ignored", exc)
-            return None
-
-    async def _job(self, values: dict[str, Any], name: str, jobs: dict[str, Job | Exception]) -> Job:
-        """The job named ``name`` that ``values`` make of the pool's template; ``jobs`` holds those made this poll,
-        so the runs of one batch (one deployment, the same variables) are templated once between them."""
-        key = json.dumps([name, values], sort_keys=True, default=str)
-        if key not in jobs:
-            try:
-                configuration = await self.job_configuration.from_template_and_values(
-                    self.work_pool.base_job_template, values, client=self.client)
-                jobs[key] = configuration.job(name)
-            except Exception as exc:
-                jobs[key] = exc
-        job = jobs[key]
-        if isinstance(job, Exception):
-            raise job
-        return job
-
-    async def _waiting_run(self, flow_run: FlowRun, deployment: DeploymentResponse | None,
-                           name: str, jobs: dict[str, Job | Exception]) -> tuple[WaitingRun, str | None]:
-        scheduled = scheduled_start(flow_run)
-        values = {**(deployment.job_variables if deployment else {}), **(flow_run.job_variables or {})}
-        job = await self._job(values, name, jobs)
-        deadline = timing.resolve_deadline(job.request.deadline, scheduled, job.tz)
-        team = quotas.team_by_queue(self.settings.queue_teams, flow_run.work_queue_name, job.team)
-        limit = job.request.time_limit or job.expected_duration
-        # Planned (and its deadline judged) by what its deployment's recent runs of its team took, not by its limit.
-        prediction, seen = self.history.predict(flow_run.deployment_id, team, limit)
-        return WaitingRun(
-            id=flow_run.id,
-            gpus=job.request.gpus,
-            gpu_type=job.request.gpu_type,
-            scheduled=scheduled,
-            latest_start=timing.latest_start(deadline, prediction.duration if prediction.learned
-                                             else job.admission_duration),
-            priority=job.request.priority,
-            duration=prediction.duration,
-            limit=limit if prediction.learned else None,
-            basis=prediction.basis(seen),
-        ), team
-
-    async def _refuse_missed(self, flow_run: FlowRun, job_name: str, team: str | None, latest: datetime | None,
-                             now: datetime) -> None:
-        report = reporting.JobReport(self.client, flow_run, [])
-        message = (f"Deadline missed: the run had to start by {latest.isoformat() if latest else '?'} "
-                   f"to finish in time; it is now {now.isoformat(timespec='seconds')}. No GPU was rented.")
-        report.step("deadline-missed", latest_start=str(latest), now=now.isoformat())
-        await report.end(endings.DEADLINE_MISSED.saying(message))
-        meter = Meter(team=team)
-        meter.mark("submitted", scheduled_start(flow_run))
-        meter.mark("released", now)
-        await report.close(meter, job_name, endings.DEADLINE_MISSED.event, None)
-        self.get_flow_run_logger(flow_run).warning(message)
 
     @property
     def busy(self) -> bool:

@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 from e31_prefect.dirs import DATA_DIR_VARIABLE, OUTPUT_DIR_VARIABLE
 from e31_prefect.endings import Ending
 from e31_prefect.inventory import Device, visible_devices_env
-from e31_prefect.job import Job, Problem
+from e31_prefect.job import Job
+from e31_prefect.job_values import Problem
 from e31_prefect.ledger import RunFolder, Spec
 from e31_prefect.results import result_environment
 from e31_prefect.shards import SHARDS_VARIABLE, ShardSettings

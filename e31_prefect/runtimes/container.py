@@ -22,7 +22,8 @@ import docker.types
 import docker
 from e31_prefect import endings, job_entry
 from e31_prefect.inventory import Device
-from e31_prefect.job import Job, Problem
+from e31_prefect.job import Job
+from e31_prefect.job_values import Problem
 from e31_prefect.ledger import Spec
 from e31_prefect.runtimes import (
     API_SOCKET_VARIABLE,

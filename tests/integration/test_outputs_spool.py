@@ -278,7 +278,7 @@ def deploy_and_run(tmp_path: Path, pool: str, job_text: str, run_name: str) -> U
     from prefect import get_client
     from prefect.states import Scheduled
 
-    from e31_prefect.job import load_job_file
+    from e31_prefect.job_file import load_job_file
     from e31_prefect.submission import deploy_job, ensure_pool
 
     path = write_job(tmp_path / "job", job_text)

@@ -9,7 +9,7 @@ from prefect import flow
 
 from e31_prefect import JobError, e31
 from e31_prefect.decorators import E31Flow
-from e31_prefect.job import job_name
+from e31_prefect.job_values import job_name
 
 
 @flow(name="Nightly track!", retries=2)

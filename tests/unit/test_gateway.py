@@ -10,7 +10,7 @@ from uuid import uuid4
 import pytest
 
 from e31_prefect import gateway
-from e31_prefect.gateway import Owned, event_for_job, event_from_job, learn, refusal
+from e31_prefect.gateway_rules import Owned, event_for_job, event_from_job, learn, refusal
 from e31_prefect.sandbox import View, plan_view
 from e31_prefect.websocket_frames import CLOSE, TEXT, Frame, FrameError, encode, read_frame
 

@@ -8,7 +8,7 @@ import sys
 from datetime import datetime, timedelta, timezone
 
 from e31_prefect.ledger import Holding, Ledger, Record, process_running, process_start_time, same_process, this_process
-from e31_prefect.life import meter_from
+from e31_prefect.life_terms import meter_from
 
 T0 = datetime(2026, 12, 2, 22, 0, tzinfo=timezone.utc)
 
@@ -157,7 +157,7 @@ def test_a_container_that_will_not_stop_is_killed_then_removed():
     from types import SimpleNamespace
 
     from e31_prefect.ledger import Spec
-    from e31_prefect.supervisor import ContainerWork
+    from e31_prefect.supervised_work import ContainerWork
 
     for kill_fails, expected in ((False, ["stop", "kill"]), (True, ["stop", "kill", "remove"])):
         engine = StubbornEngine(kill_fails)

@@ -25,9 +25,11 @@ from prefect.states import Completed, Failed, Running
 
 from e31_prefect import endings
 from e31_prefect.inventory import Device, Inventory
-from e31_prefect.job import Job, JobError, parse_job
+from e31_prefect.job import Job, parse_job
+from e31_prefect.job_values import JobError
 from e31_prefect.ledger import Ledger, Record, Spec, process_running
-from e31_prefect.life import Ends, JobLife, judge
+from e31_prefect.life import JobLife
+from e31_prefect.life_terms import Ends, judge
 from e31_prefect.run_states import RunStates
 from e31_prefect.runtimes import Placement
 from e31_prefect.settings import E31Settings

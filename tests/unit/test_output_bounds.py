@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from e31_prefect import disk, endings, fdtree
-from e31_prefect.job import JobError, parse_job
+from e31_prefect.job import parse_job
+from e31_prefect.job_values import JobError
 from e31_prefect.output_bounds import MAX_OUTPUT_PATH, OutputBounds, Usage, bounds_for, overrun, stops_ending
 from e31_prefect.staging import own_files
 

@@ -11,7 +11,10 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from e31_prefect.job import MAX_SHARDS, Job, JobError, load_job_file, parse_job, plan, plan_problems
+from e31_prefect.job import Job, parse_job
+from e31_prefect.job_file import load_job_file
+from e31_prefect.job_plan import plan, plan_problems
+from e31_prefect.job_values import MAX_SHARDS, JobError
 from e31_prefect.runtimes import job_environment
 from e31_prefect.shards import (
     SHARDS_VARIABLE,
