@@ -41,9 +41,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from overhead import free_port  # noqa: E402
 
-from e31_prefect.ledger import process_running  # noqa: E402
-from e31_prefect.meter import work_end  # noqa: E402
-from e31_prefect.settings import DURABLE_LEASES  # noqa: E402
+from e31_prefect.host.ledger import process_running  # noqa: E402
+from e31_prefect.host.settings import DURABLE_LEASES  # noqa: E402
+from e31_prefect.model.meter import work_end  # noqa: E402
 
 FLOW = '''
 import json, os, subprocess, sys, time

@@ -213,7 +213,7 @@ async def poll_costs(side: Side, pool: str, polls: int) -> dict[str, list[float]
 
     from prefect.workers.process import ProcessWorker
 
-    from e31_prefect.worker import E31Worker
+    from e31_prefect.surface.worker import E31Worker
 
     os.environ["E31_GPUS"] = f"{side.slots}xH100"
     os.environ["E31_DEVICE_LOCKS"] = str(side.home / "poll-locks")

@@ -5,7 +5,8 @@
 A seeded trace: jobs of 1-8 GPUs running minutes to hours, deadlines of
 varying slack (some none), submissions through three days and a burst at
 22:00 on the last night (about 112% load while jobs arrive: more work than GPUs, so order matters).
-Each policy (and FIFO under e31's admission rule) replays it through `e31_prefect.scheduling.simulate`, the decision
+Each policy (and FIFO under e31's admission rule) replays it through
+`e31_prefect.planning.scheduling.simulate`, the decision
 function the worker uses. Printed: deadlines met, GPU utilisation (all GPU
 time used), on-time utilisation (GPU time of runs that met their deadline or
 had none), mean wait, and e31's gain in deadlines met over FIFO (project goal:
@@ -18,7 +19,7 @@ Learned run times: each job comes from one of ``--kinds`` deployments, whose run
 same time, and whose user set a time limit as real users do: 1x to 20x the true time, rounded up to
 a round value (15 min, 1 h, 4 h, 24 h, then whole days). e31's policy replays the same jobs three
 times, planning with the users' limits, with lengths learned from each deployment's last 20 runs
-(:mod:`e31_prefect.prediction`), and with perfect knowledge; printed for each seed of ``--seeds``:
+(:mod:`e31_prefect.model.prediction`), and with perfect knowledge; printed for each seed of ``--seeds``:
 deadlines met, on-time utilisation, mean wait, and the share of the gap in deadlines met between
 limits and perfect knowledge that learning recovers (project goal: at least 80%).
 """
@@ -32,8 +33,8 @@ import statistics
 import time
 from datetime import datetime, timedelta, timezone
 
-from e31_prefect.inventory import Device
-from e31_prefect.scheduling import (
+from e31_prefect.host.inventory import Device
+from e31_prefect.planning.scheduling import (
     POLICIES,
     RESERVATION_DEPTH,
     Busy,

@@ -82,7 +82,7 @@ def tree_bytes(root: Path) -> tuple[int, int]:
 
 
 def fresh(path: Path) -> Path:
-    from e31_prefect.staging import remove_workspace
+    from e31_prefect.data.staging import remove_workspace
 
     remove_workspace(path)
     return path
@@ -93,9 +93,9 @@ def options(url: str) -> dict:
 
 
 def e31_stage(url: str, target: Path, cache_dir: Path) -> float:
-    from e31_prefect.cache import ContentCache
-    from e31_prefect.job import DataInput
-    from e31_prefect.staging import stage_inputs
+    from e31_prefect.data.cache import ContentCache
+    from e31_prefect.data.staging import stage_inputs
+    from e31_prefect.model.job import DataInput
 
     started = time.perf_counter()
     stage_inputs([DataInput(source=f"s3://{BUCKET}/{PREFIX}", to="d")], target, options(url),

@@ -40,8 +40,8 @@ from typing import Any
 
 WORK_ENDED_VARIABLE = "E31_WORK_ENDED"
 HAND_OVER_VARIABLE = "E31_HAND_OVER"  # the pipe the supervisor hands the run's devices over on
-SHARDS_VARIABLE = "E31_SHARDS"  # a sharded job's settings (e31_prefect.shards)
-API_SOCKET_VARIABLE = "E31_API_SOCKET"  # the run's gateway to the Prefect API (see e31_prefect.gateway)
+SHARDS_VARIABLE = "E31_SHARDS"  # a sharded job's settings (e31_prefect.model.shards)
+API_SOCKET_VARIABLE = "E31_API_SOCKET"  # the run's gateway to the Prefect API (see e31_prefect.host.gateway)
 READY = "ready"  # the entry's first word to its supervisor: Prefect is loaded, hand the devices over
 # What Prefect's engine imports to run a flow run, loaded before the hand-over (none of it is the job's code).
 ENGINE_MODULES = ("prefect.engine", "prefect.flow_engine", "prefect._internal.metrics", "prefect.flows",
@@ -142,7 +142,7 @@ def start_shards() -> None:
     if SHARDS_VARIABLE not in os.environ:
         return
     try:
-        from e31_prefect.shard_runner import start_early
+        from e31_prefect.flows.shard_runner import start_early
     except ImportError:  # an image without e31 installed: the flow starts the shards
         return
     start_early(os.environ)

@@ -1,6 +1,6 @@
 """Where a flow run's work executes: a local process, or a container on the host's Docker engine.
 
-A :class:`Runtime` is chosen once per run (:func:`runtime_for`): a job with
+A :class:`Runtime` is chosen once per run (:func:`e31_prefect.surface.life.runtime_for`): a job with
 ``work.image`` runs in a container, one without runs as a local process. Either
 way the run's supervisor owns the work; the runtime says what it runs.
 
@@ -16,22 +16,22 @@ from dataclasses import dataclass
 from pathlib import Path, PurePath
 from typing import TYPE_CHECKING, Any, Protocol
 
+from e31_prefect.data.results import result_environment
 from e31_prefect.dirs import DATA_DIR_VARIABLE, OUTPUT_DIR_VARIABLE
-from e31_prefect.endings import Ending
-from e31_prefect.inventory import Device, visible_devices_env
-from e31_prefect.job import Job
-from e31_prefect.job_values import Problem
-from e31_prefect.ledger import RunFolder, Spec
-from e31_prefect.results import result_environment
-from e31_prefect.shards import SHARDS_VARIABLE, ShardSettings
+from e31_prefect.host.inventory import Device, visible_devices_env
+from e31_prefect.host.ledger import RunFolder, Spec
+from e31_prefect.model.endings import Ending
+from e31_prefect.model.job import Job
+from e31_prefect.model.job_values import Problem
+from e31_prefect.model.shards import SHARDS_VARIABLE, ShardSettings
 
 if TYPE_CHECKING:
-    from e31_prefect.settings import E31Settings
-    from e31_prefect.supervision import Supervisor
+    from e31_prefect.host.settings import E31Settings
+    from e31_prefect.host.supervision import Supervisor
 
 WORK_ENDED_VARIABLE = "E31_WORK_ENDED"  # the pipe the job's entry writes to when its work is done
 HAND_OVER_VARIABLE = "E31_HAND_OVER"  # the pipe the job's entry is handed its devices on
-API_SOCKET_VARIABLE = "E31_API_SOCKET"  # the run's gateway to the Prefect API (e31_prefect.gateway)
+API_SOCKET_VARIABLE = "E31_API_SOCKET"  # the run's gateway to the Prefect API (e31_prefect.host.gateway)
 DEFAULT_PIDS_LIMIT = 4096
 
 
@@ -99,16 +99,6 @@ class Runtime(Protocol):
     def ended(self) -> None:
         """Once the work ended: anything to say of it (a container's ``exited`` event)."""
 
-
-def runtime_for(job: Job, worker: Any, configuration: Any) -> Runtime:
-    """The run's runtime, chosen once: a container for a job with an image, else a local process."""
-    if job.work.image:
-        from e31_prefect.runtimes.container import ContainerRuntime
-
-        return ContainerRuntime(worker, configuration)
-    from e31_prefect.runtimes.process import ProcessRuntime
-
-    return ProcessRuntime(worker.settings, configuration)
 
 
 # Prefect settings a job never receives: the API's credentials, the server's own (its database URL),

@@ -20,11 +20,12 @@ from typing import TYPE_CHECKING, Any, Literal
 import docker.types
 
 import docker
-from e31_prefect import endings, job_entry
-from e31_prefect.inventory import Device
-from e31_prefect.job import Job
-from e31_prefect.job_values import Problem
-from e31_prefect.ledger import Spec
+from e31_prefect import job_entry
+from e31_prefect.host.inventory import Device
+from e31_prefect.host.ledger import Spec
+from e31_prefect.model import endings
+from e31_prefect.model.job import Job
+from e31_prefect.model.job_values import Problem
 from e31_prefect.runtimes import (
     API_SOCKET_VARIABLE,
     DEFAULT_PIDS_LIMIT,
@@ -39,7 +40,7 @@ from e31_prefect.runtimes import (
 if TYPE_CHECKING:
     from prefect_docker.worker import DockerWorker, DockerWorkerJobConfiguration
 
-    from e31_prefect.supervision import Supervisor
+    from e31_prefect.host.supervision import Supervisor
 
 DATA_MOUNT = "/e31/data"
 OUTPUT_MOUNT = "/e31/output"

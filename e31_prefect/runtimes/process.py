@@ -15,8 +15,9 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from e31_prefect import endings, job_users
-from e31_prefect.ledger import Spec
+from e31_prefect.host import job_users
+from e31_prefect.host.ledger import Spec
+from e31_prefect.model import endings
 from e31_prefect.runtimes import (
     API_SOCKET_VARIABLE,
     HAND_OVER_VARIABLE,
@@ -27,8 +28,8 @@ from e31_prefect.runtimes import (
 )
 
 if TYPE_CHECKING:
-    from e31_prefect.settings import E31Settings
-    from e31_prefect.supervision import Supervisor
+    from e31_prefect.host.settings import E31Settings
+    from e31_prefect.host.supervision import Supervisor
 
 # All a job takes from its worker's environment: where programs and Python's modules are, and the locale.
 # Nothing else (credentials, the worker's settings) reaches it.
@@ -89,10 +90,8 @@ def needed_paths(configuration: Any) -> list[Path]:
     e31's entry, what PYTHONPATH adds, the job's code."""
     import prefect
 
-    import e31_prefect
-
     paths = [Path(sys.prefix), Path(sys.base_prefix), Path(prefect.__file__).parent,
-             Path(e31_prefect.__file__).parent]
+             Path(__file__).parent.parent]  # e31_prefect's own folder
     paths += [Path(entry) for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry]
     if configuration is not None:  # the job's folder and, for a `prefect deploy` deployment, its code's
         paths += [code for code in (configuration.code_mount(), configuration._code_folder) if code is not None]
@@ -101,7 +100,7 @@ def needed_paths(configuration: Any) -> list[Path]:
 
 def unreadable_to_jobs(paths: list[Path]) -> list[str]:
     """Those of ``paths`` a job's own user could not read (the folders above them are shown to it
-    whatever their modes: :mod:`e31_prefect.sandbox`)."""
+    whatever their modes: :mod:`e31_prefect.host.sandbox`)."""
     def readable(path: Path) -> bool:
         try:
             mode = os.stat(path).st_mode

@@ -20,8 +20,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from e31_prefect.ledger import Record, RunFolder
-from e31_prefect.meter import work_end
+from e31_prefect.host.ledger import Record, RunFolder
+from e31_prefect.model.meter import work_end
 from tests.integration.conftest import flow_run_id
 from tests.integration.test_jobs_end_to_end import write_job
 from tests.integration.test_worker_faults import Worker, until

@@ -24,8 +24,8 @@ from prefect.client.schemas.objects import StateType
 from prefect.client.schemas.schedules import RRuleSchedule
 from prefect.states import Scheduled
 
-from e31_prefect.settings import E31Settings
-from e31_prefect.worker import E31Worker
+from e31_prefect.host.settings import E31Settings
+from e31_prefect.surface.worker import E31Worker
 from tests.integration.conftest import cli, flow_run_id
 from tests.integration.test_jobs_end_to_end import MARK_FLOW, mark_job, read_run, write_job
 
@@ -231,7 +231,7 @@ def test_a_run_awaiting_a_retry_in_its_own_process_is_no_workers_to_take(prefect
     skips it; e31 reads its kept backlog through the flow-run filter too)."""
     from prefect.states import Failed, Running
 
-    from e31_prefect import backlog
+    from e31_prefect.planning import backlog
 
     job = mark_job(tmp_path / "retrying", "retrying")
     result = cli("e31", "submit", str(job), "--pool", pool)

@@ -181,7 +181,7 @@ def test_kill_infrastructure_stops_the_work_from_the_id_the_worker_reported(
 
         from prefect.workers.base import BaseWorker
 
-        from e31_prefect.settings import E31Settings
+        from e31_prefect.host.settings import E31Settings
 
         worker_class = BaseWorker.get_worker_class_from_type(kind)
         extra = {"settings": E31Settings(home=contender.folder / "e31")} if kind == "e31" else {}
@@ -354,7 +354,7 @@ def worker_of(kind: str, contender: Contender) -> Any:
     """The worker class of ``kind`` for the contender's pool, in this process."""
     from prefect.workers.base import BaseWorker
 
-    from e31_prefect.settings import E31Settings
+    from e31_prefect.host.settings import E31Settings
 
     extra = {"settings": E31Settings(home=contender.folder / "e31")} if kind == "e31" else {}
     return BaseWorker.get_worker_class_from_type(kind)(work_pool_name=contender.pool, **extra)
@@ -410,8 +410,8 @@ def test_a_container_left_by_a_dead_supervisor_is_found_by_prefect_dockers_run_l
     supervisor died and its container must go (a label that never matches leaves it running unbounded)."""
     from uuid import uuid4
 
-    from e31_prefect.ledger import Holding, Ledger
-    from e31_prefect.life import _stop_leftovers
+    from e31_prefect.host.ledger import Holding, Ledger
+    from e31_prefect.surface.life import _stop_leftovers
 
     run_id = str(uuid4())
     subprocess.run(["docker", "run", "-d", "--network", "none", "--label", f"{RUN_LABEL}={run_id}", job_image,

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from e31_prefect import spool
-from e31_prefect.ledger import Ledger
+from e31_prefect.host.ledger import Ledger
+from e31_prefect.surface import spool
 from tests.integration.conftest import cli, flow_run_id
 from tests.integration.test_jobs_end_to_end import mark_job, read_run, write_job
 from tests.integration.test_s3_jobs import bucket

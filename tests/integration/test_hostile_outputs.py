@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from prefect import get_client
 
-from e31_prefect import disk
-from e31_prefect.output_bounds import OutputBounds
-from e31_prefect.staging import UploadError, remove_workspace, upload_outputs
+from e31_prefect.data.staging import UploadError, remove_workspace, upload_outputs
+from e31_prefect.host import disk
+from e31_prefect.host.output_bounds import OutputBounds
 from tests.integration.conftest import cli, flow_run_id
 from tests.integration.test_jobs_end_to_end import read_run, write_job
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from prefect import get_client
 
-from e31_prefect.ledger import RunFolder, process_running
+from e31_prefect.host.ledger import RunFolder, process_running
 from tests.integration.conftest import cli, flow_run_id
 from tests.integration.test_jobs_end_to_end import read_run, write_job
 

@@ -153,7 +153,7 @@ NOT_SENT = {"environ": "a symbolic link to /proc/self/environ", "passwd": "a sym
 
 
 def test_only_the_jobs_own_bytes_are_sent_and_the_rest_is_named(tmp_path):
-    from e31_prefect.staging import upload_outputs
+    from e31_prefect.data.staging import upload_outputs
 
     out, secret = hostile_output_dir(tmp_path)
     sent = upload_outputs(out, f"file://{tmp_path}/dest/", attempts=1)
@@ -166,7 +166,7 @@ def test_only_the_jobs_own_bytes_are_sent_and_the_rest_is_named(tmp_path):
 
 
 def test_only_the_jobs_own_bytes_go_to_s3(s3_server, tmp_path):
-    from e31_prefect.staging import upload_outputs
+    from e31_prefect.data.staging import upload_outputs
 
     out, _ = hostile_output_dir(tmp_path)
     fs = s3fs.S3FileSystem(key="k", secret="s", client_kwargs={"endpoint_url": s3_server["AWS_ENDPOINT_URL"]},
@@ -180,7 +180,7 @@ def test_only_the_jobs_own_bytes_go_to_s3(s3_server, tmp_path):
 
 
 def test_a_link_in_a_local_destination_is_not_written_through(tmp_path):
-    from e31_prefect.staging import UploadError, upload_outputs
+    from e31_prefect.data.staging import UploadError, upload_outputs
 
     out = tmp_path / "output"
     (out / "sub").mkdir(parents=True)
@@ -196,7 +196,7 @@ def test_a_link_in_a_local_destination_is_not_written_through(tmp_path):
 
 
 def test_an_expected_output_that_is_a_link_counts_as_missing_and_says_why(tmp_path):
-    from e31_prefect.staging import missing_outputs
+    from e31_prefect.data.staging import missing_outputs
 
     out, _ = hostile_output_dir(tmp_path)
     assert missing_outputs(out, ["model.json", "sub/metrics.json", "sub", "passwd", "sub/etc/passwd", "nope",
@@ -206,7 +206,7 @@ def test_an_expected_output_that_is_a_link_counts_as_missing_and_says_why(tmp_pa
 
 
 def test_the_spool_keeps_only_own_bytes_and_retry_follows_no_link(prefect_server, tmp_path):
-    from e31_prefect import spool
+    from e31_prefect.surface import spool
 
     out, secret = hostile_output_dir(tmp_path)
     home = tmp_path / "e31" / "spool"
@@ -278,8 +278,8 @@ def deploy_and_run(tmp_path: Path, pool: str, job_text: str, run_name: str) -> U
     from prefect import get_client
     from prefect.states import Scheduled
 
-    from e31_prefect.job_file import load_job_file
-    from e31_prefect.submission import deploy_job, ensure_pool
+    from e31_prefect.model.job_file import load_job_file
+    from e31_prefect.surface.submission import deploy_job, ensure_pool
 
     path = write_job(tmp_path / "job", job_text)
     job = load_job_file(path)

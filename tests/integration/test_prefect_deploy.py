@@ -20,7 +20,7 @@ import yaml
 from prefect import get_client
 from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
 
-from e31_prefect import timing
+from e31_prefect.model import timing
 from tests.integration.conftest import REPO, cli
 from tests.integration.test_jobs_end_to_end import read_run
 

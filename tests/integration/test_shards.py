@@ -20,7 +20,7 @@ import pytest
 from prefect import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 
-from e31_prefect.ledger import process_running
+from e31_prefect.host.ledger import process_running
 from tests.integration.conftest import cli, flow_run_id
 
 pytestmark = pytest.mark.integration

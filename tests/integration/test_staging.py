@@ -15,9 +15,9 @@ import httpx
 import pytest
 import s3fs
 
-from e31_prefect.cache import ContentCache
-from e31_prefect.job import DataInput
-from e31_prefect.staging import StagingError, stage_inputs
+from e31_prefect.data.cache import ContentCache
+from e31_prefect.data.staging import StagingError, stage_inputs
+from e31_prefect.model.job import DataInput
 
 pytestmark = pytest.mark.integration
 
@@ -66,9 +66,9 @@ def test_a_changed_object_is_downloaded_again(s3_server, tmp_path):
 STAGE = """
 import json, sys
 from pathlib import Path
-from e31_prefect.cache import ContentCache
-from e31_prefect.job import DataInput
-from e31_prefect.staging import stage_inputs
+from e31_prefect.data.cache import ContentCache
+from e31_prefect.model.job import DataInput
+from e31_prefect.data.staging import stage_inputs
 options, root, target = json.loads(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
 sys.stdin.readline()  # both processes start staging together
 result = stage_inputs([DataInput(source="s3://shared/weights.bin")], target, options,
@@ -159,7 +159,7 @@ def test_a_staged_input_a_job_rewrote_is_not_what_the_next_job_stages(s3_server,
 
 
 def test_a_restage_after_the_last_run_was_cleaned_up_downloads_nothing(s3_server, tmp_path):
-    from e31_prefect.staging import remove_workspace
+    from e31_prefect.data.staging import remove_workspace
 
     filled_bucket(s3_server, "nightly-clean", {f"f{n}.bin": bytes([n]) * 100 for n in range(5)})
     cache = ContentCache(tmp_path / "cache", 1 << 30)

@@ -17,8 +17,8 @@ import pytest
 import s3fs
 from prefect import get_client
 
-from e31_prefect.blocks import E31Storage
-from e31_prefect.results import RESULTS_FOLDER, released_result
+from e31_prefect.data.blocks import E31Storage
+from e31_prefect.data.results import RESULTS_FOLDER, released_result
 from tests.integration.conftest import REPO, cli, flow_run_id
 from tests.integration.test_jobs_end_to_end import read_run, write_job
 
@@ -127,7 +127,7 @@ def test_a_job_naming_a_block_that_does_not_exist_fails_before_renting(prefect_s
 
 
 def test_a_job_of_another_team_naming_a_teams_block_fails_before_renting(prefect_server, tmp_path, pool):
-    from e31_prefect.blocks import E31Storage
+    from e31_prefect.data.blocks import E31Storage
 
     E31Storage(endpoint_url="http://127.0.0.1:1", teams=["vision"]).save("vision-store", overwrite=True)
     message = staging_message_of(tmp_path / "borrow", "speech", "vision-store", pool)
@@ -194,7 +194,7 @@ def test_the_result_of_a_run_with_local_outputs_reads_back_on_this_host(prefect_
 
 
 def test_the_block_type_registers_for_the_ui(prefect_server):
-    registered = cli("prefect", "block", "register", "-m", "e31_prefect.blocks")
+    registered = cli("prefect", "block", "register", "-m", "e31_prefect.data.blocks")
     assert registered.returncode == 0, registered.stdout + registered.stderr
     with get_client(sync_client=True) as client:
         block_type = client.read_block_type_by_slug("e31-storage")

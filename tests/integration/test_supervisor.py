@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from e31_prefect import cgroups
-from e31_prefect.inventory import Device, Inventory
-from e31_prefect.ledger import Record, RunFolder, Spec, now, process_running
-from e31_prefect.supervision import Supervisor, make_hand_over_pipe, make_work_ended_pipe
+from e31_prefect.host import cgroups
+from e31_prefect.host.inventory import Device, Inventory
+from e31_prefect.host.ledger import Record, RunFolder, Spec, now, process_running
+from e31_prefect.host.supervision import Supervisor, make_hand_over_pipe, make_work_ended_pipe
 
 pytestmark = pytest.mark.integration
 

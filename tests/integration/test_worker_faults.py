@@ -20,9 +20,9 @@ from uuid import UUID
 import pytest
 from prefect import get_client
 
-from e31_prefect.inventory import Device, Inventory
-from e31_prefect.ledger import Record, RunFolder, process_running
-from e31_prefect.meter import work_end
+from e31_prefect.host.inventory import Device, Inventory
+from e31_prefect.host.ledger import Record, RunFolder, process_running
+from e31_prefect.model.meter import work_end
 from tests.integration.conftest import cli, flow_run_id
 from tests.integration.test_jobs_end_to_end import artifacts_of, read_run, write_job
 

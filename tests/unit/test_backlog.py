@@ -11,8 +11,8 @@ from uuid import UUID, uuid4
 import pytest
 from prefect.events import Event
 
-from e31_prefect.backlog import Evaluations, KeptBacklog, page_through
-from e31_prefect.backlog_watch import WatchedBacklog
+from e31_prefect.planning.backlog import Evaluations, KeptBacklog, page_through
+from e31_prefect.planning.backlog_watch import WatchedBacklog
 
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from e31_prefect.block_documents import BlockFileError, read_block_files
-from e31_prefect.blocks import E31Storage
+from e31_prefect.cli.block_documents import BlockFileError, read_block_files
+from e31_prefect.data.blocks import E31Storage
 
 REPO = Path(__file__).resolve().parents[2]
 ENV = {"E31_STORE_ENDPOINT": "http://127.0.0.1:9000", "E31_STORE_KEY_ID": "AKIAEXAMPLE",

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from e31_prefect.cache import (
+from e31_prefect.data.cache import (
     CacheCorrupt,
     ContentCache,
     Entry,
@@ -19,7 +19,7 @@ from e31_prefect.cache import (
     etag_md5,
     plan_eviction,
 )
-from e31_prefect.staging import remove_workspace
+from e31_prefect.data.staging import remove_workspace
 
 MD5 = "9e107d9d372bb6826bd81d3542a419d6"
 
@@ -192,8 +192,8 @@ def test_threads_wanting_one_object_at_once_download_it_once(tmp_path):
 
 
 def test_an_encrypted_objects_etag_is_not_taken_for_its_md5(tmp_path):
-    from e31_prefect.cache import ETAG_NOT_MD5, CacheCorrupt, check
-    from e31_prefect.store import etag_is_md5
+    from e31_prefect.data.cache import ETAG_NOT_MD5, CacheCorrupt, check
+    from e31_prefect.data.store import etag_is_md5
 
     # SSE-KMS and SSE-C objects have ETags that look like an MD5 but are not one.
     assert not etag_is_md5({"ServerSideEncryption": "aws:kms", "ETag": '"0123456789abcdef0123456789abcdef"'})

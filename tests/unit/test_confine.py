@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from e31_prefect import confine
-from e31_prefect.confine import PathRefused, Skipped
+from e31_prefect.data import confine
+from e31_prefect.data.confine import PathRefused, Skipped
 
 # -- template values ------------------------------------------------------------------------------
 

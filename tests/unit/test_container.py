@@ -11,9 +11,9 @@ from uuid import uuid4
 from prefect_docker.worker import DockerWorkerJobConfiguration
 
 from e31_prefect import job_entry
-from e31_prefect.inventory import Device
-from e31_prefect.job import parse_job
-from e31_prefect.results import result_environment
+from e31_prefect.data.results import result_environment
+from e31_prefect.host.inventory import Device
+from e31_prefect.model.job import parse_job
 from e31_prefect.runtimes import container
 
 H100S = [Device(1, "NVIDIA H100 80GB HBM3"), Device(2, "NVIDIA H100 80GB HBM3")]
@@ -88,7 +88,7 @@ def test_a_deployment_built_with_its_code_inside_gets_no_job_folder_mount(tmp_pa
 
 
 def test_a_deployments_relative_paths_are_read_from_its_folder(tmp_path: Path):
-    from e31_prefect.worker_configuration import E31JobConfiguration
+    from e31_prefect.surface.worker_configuration import E31JobConfiguration
 
     configuration = E31JobConfiguration(
         request={"max_duration": "1h"}, work={"parameters": {}},
@@ -155,7 +155,7 @@ def test_a_runs_own_prefect_environment_is_not_taken_for_a_setting(tmp_path: Pat
     """The worker's API URL and the run's id, which Prefect adds to every run's env, are not the user's."""
     from prefect.client.schemas.objects import FlowRun
 
-    from e31_prefect.worker_configuration import E31JobConfiguration
+    from e31_prefect.surface.worker_configuration import E31JobConfiguration
 
     configuration = E31JobConfiguration(env={"SEED": "7"}, labels={"team": "vision"}, request={"max_duration": "1h"})
     configuration.prepare_for_flow_run(FlowRun(flow_id=uuid4(), name="my run"))
@@ -186,8 +186,8 @@ def test_allowed_volumes_are_mounted_read_only_and_symlinks_out_are_refused(tmp_
 
 
 def test_the_pool_form_describes_every_docker_setting_as_it_works_on_e31():
-    from e31_prefect.worker import E31Worker
-    from e31_prefect.worker_configuration import E31Variables
+    from e31_prefect.surface.worker import E31Worker
+    from e31_prefect.surface.worker_configuration import E31Variables
 
     form = E31Worker.get_default_base_job_template()["variables"]["properties"]
     for name in container.DOCKER_SETTINGS:

@@ -8,8 +8,8 @@ import pytest
 from prefect import flow
 
 from e31_prefect import JobError, e31
-from e31_prefect.decorators import E31Flow
-from e31_prefect.job_values import job_name
+from e31_prefect.model.job_values import job_name
+from e31_prefect.surface.decorators import E31Flow
 
 
 @flow(name="Nightly track!", retries=2)
@@ -59,7 +59,7 @@ def test_flow_names_become_job_names():
 
 
 def test_any_name_prefect_accepts_becomes_a_valid_job_name_and_a_valid_one_is_kept():
-    from e31_prefect.job import parse_job
+    from e31_prefect.model.job import parse_job
 
     for name in ("My Deployment 1", "nightly run / ../ #1 ünï", "x" * 300, "-lead", "../..", "a\nb"):
         made = job_name(name)

@@ -1,4 +1,4 @@
-"""e31_prefect.flow_shards with real processes (no Prefect server): a flow run as shards by the shard runner.
+"""e31_prefect.flows.flow_shards with real processes (no Prefect server): a flow run as shards by the shard runner.
 
 What a user notices: each shard's call got the job's parameters (typed as the flow says) and its own
 shard, saw only its devices and wrote in its own folder; ``get_run_logger()`` lines land in the shard's
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from e31_prefect.flow_shards import SHARD_MODULE, FlowCannotShard, check_flow, run_flow_shards
-from e31_prefect.shard_runner import run_shards
-from e31_prefect.shards import ShardSettings
+from e31_prefect.flows.flow_shards import SHARD_MODULE, FlowCannotShard, check_flow, run_flow_shards
+from e31_prefect.flows.shard_runner import run_shards
+from e31_prefect.model.shards import ShardSettings
 
 FLOWS = """\
 import json, os, sys

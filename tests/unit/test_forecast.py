@@ -8,11 +8,11 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from e31_prefect import inventories
-from e31_prefect.forecast import planned_line, rows
-from e31_prefect.inventories import HostInventory
-from e31_prefect.inventory import Device
-from e31_prefect.scheduling import Busy, WaitingRun, decide, plan
+from e31_prefect.cli.forecast import planned_line, rows
+from e31_prefect.host.inventory import Device
+from e31_prefect.planning.scheduling import Busy, WaitingRun, decide, plan
+from e31_prefect.surface import inventories
+from e31_prefect.surface.inventories import HostInventory
 
 NOW = datetime(2026, 12, 3, 22, 0, tzinfo=timezone.utc)
 HOUR = timedelta(hours=1)

@@ -9,10 +9,10 @@ from uuid import uuid4
 
 import pytest
 
-from e31_prefect import gateway
-from e31_prefect.gateway_rules import Owned, event_for_job, event_from_job, learn, refusal
-from e31_prefect.sandbox import View, plan_view
-from e31_prefect.websocket_frames import CLOSE, TEXT, Frame, FrameError, encode, read_frame
+from e31_prefect.host import gateway
+from e31_prefect.host.gateway_rules import Owned, event_for_job, event_from_job, learn, refusal
+from e31_prefect.host.sandbox import View, plan_view
+from e31_prefect.host.websocket_frames import CLOSE, TEXT, Frame, FrameError, encode, read_frame
 
 # Fixed ids: the cases below are parameters, and parallel test processes must collect the same ones.
 RUN, OTHER, TASK = "28f7dc00-2d45-4dfd-a501-64c8a03c143f", "43835668-28ca-4623-ab0f-9b7619d5d5a5", \

@@ -16,9 +16,9 @@ from uuid import uuid4
 
 import pytest
 
-from e31_prefect.home_files import Found, HomeOpen, close_home, closed_mode, plan_closing
-from e31_prefect.inventory import Device, DeviceLocksError, Inventory, plan_lock_folder
-from e31_prefect.lock_holders import Holder, StrangerWatch, Throttle, describe, flock_pids, holders, is_e31
+from e31_prefect.host.home_files import Found, HomeOpen, close_home, closed_mode, plan_closing
+from e31_prefect.host.inventory import Device, DeviceLocksError, Inventory, plan_lock_folder
+from e31_prefect.host.lock_holders import Holder, StrangerWatch, Throttle, describe, flock_pids, holders, is_e31
 
 ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="a job's own uid needs a root worker")
 DIR = stat.S_IFDIR
@@ -215,7 +215,7 @@ def test_a_device_held_by_a_supervisor_is_not_named(tmp_path, caplog):
     worker = Inventory([Device(0, "H100")], folder)
     run = uuid4()
     assert worker.hold(run, worker.devices)
-    # A run's supervisor, as the worker starts it: the lock file passed to `python -m e31_prefect.supervisor`.
+    # A run's supervisor, as the worker starts it: the lock file passed to `python -m e31_prefect.host.supervisor`.
     supervisor = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()", "-m",
                                    "e31_prefect.supervisor", str(tmp_path)],
                                   stdin=subprocess.PIPE, pass_fds=worker.lock_files(run))

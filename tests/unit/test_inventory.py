@@ -1,4 +1,4 @@
-"""Unit tests for e31_prefect.inventory: declared inventories, NVML discovery, renting devices.
+"""Unit tests for e31_prefect.host.inventory: declared inventories, NVML discovery, renting devices.
 
 ``E31_GPUS`` declares devices (``0:H100,1:H100``, ``4xH100``, ``2xA100,2xH100``); without it the
 worker asks NVML, which finds none where there is no NVIDIA driver. Renting is all-or-nothing,
@@ -18,8 +18,8 @@ from uuid import UUID, uuid4
 
 import pytest
 
-from e31_prefect import inventory
-from e31_prefect.inventory import (
+from e31_prefect.host import inventory
+from e31_prefect.host.inventory import (
     Device,
     Inventory,
     InventoryError,
@@ -344,7 +344,8 @@ def test_a_device_stays_rented_while_any_process_holds_its_lock(tmp_path):
 
 
 def test_a_killed_holder_frees_its_devices(tmp_path):
-    code = ("from uuid import uuid4; from pathlib import Path; from e31_prefect.inventory import Inventory, Device;"
+    code = ("from uuid import uuid4; from pathlib import Path; "
+            "from e31_prefect.host.inventory import Inventory, Device;"
             f"i = Inventory([Device(0, 'H100')], Path({str(tmp_path)!r})); assert i.hold(uuid4(), i.devices);"
             "print('held', flush=True); import time; time.sleep(600)")
     holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)

@@ -1,4 +1,4 @@
-"""Unit tests for e31_prefect.job: parsing, validation messages, job files, anchoring, plans.
+"""Unit tests for e31_prefect.model.job: parsing, validation messages, job files, anchoring, plans.
 
 Job files are written into pytest's ``tmp_path``; nothing talks to Prefect. Each bad input
 must give a :class:`JobError` whose problems name the job file's own field, and whose text
@@ -15,10 +15,10 @@ from zoneinfo import ZoneInfo
 
 import pytest
 
-from e31_prefect.job import Job, parse_job
-from e31_prefect.job_file import anchor_url, load_job_file
-from e31_prefect.job_plan import plan, plan_problems
-from e31_prefect.job_values import MISSING, OUTPUT_PLACEHOLDERS, JobError, Problem
+from e31_prefect.model.job import Job, parse_job
+from e31_prefect.model.job_file import anchor_url, load_job_file
+from e31_prefect.model.job_plan import plan, plan_problems
+from e31_prefect.model.job_values import MISSING, OUTPUT_PLACEHOLDERS, JobError, Problem
 
 UTC = timezone.utc
 PARIS = ZoneInfo("Europe/Paris")
@@ -819,7 +819,7 @@ def test_loading_twice_gives_equal_jobs(job_folder: Path):
 
 
 def test_a_containers_code_is_the_jobs_project_folder_never_a_top_level_one(tmp_path):
-    from e31_prefect.job_file import code_root
+    from e31_prefect.model.job_file import code_root
 
     repo = tmp_path / "repo"
     assert code_root(repo / "jobs", repo / "jobs" / "flow.py") == repo / "jobs"

@@ -6,7 +6,7 @@ import logging
 import os
 from pathlib import Path
 
-from e31_prefect import keyboard
+from e31_prefect.data import keyboard
 
 
 def test_inputs_beside_the_job_folder_that_the_user_may_read_are_added(tmp_path: Path):

@@ -8,8 +8,8 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from e31_prefect.inventory import Device
-from e31_prefect.scheduling import Busy, Planned, TraceJob, WaitingRun, decide, plan, simulate
+from e31_prefect.host.inventory import Device
+from e31_prefect.planning.scheduling import Busy, Planned, TraceJob, WaitingRun, decide, plan, simulate
 
 NOW = datetime(2026, 12, 3, 22, 0, tzinfo=timezone.utc)
 FOUR = [Device(i, "H100") for i in range(4)]

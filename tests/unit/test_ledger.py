@@ -7,8 +7,16 @@ import subprocess
 import sys
 from datetime import datetime, timedelta, timezone
 
-from e31_prefect.ledger import Holding, Ledger, Record, process_running, process_start_time, same_process, this_process
-from e31_prefect.life_terms import meter_from
+from e31_prefect.host.ledger import (
+    Holding,
+    Ledger,
+    Record,
+    process_running,
+    process_start_time,
+    same_process,
+    this_process,
+)
+from e31_prefect.surface.life_terms import meter_from
 
 T0 = datetime(2026, 12, 2, 22, 0, tzinfo=timezone.utc)
 
@@ -38,7 +46,7 @@ def test_a_run_owned_by_a_live_worker_is_not_an_orphan(tmp_path):
 
 
 def test_a_killed_workers_runs_are_orphans(tmp_path):
-    code = ("import sys, time; from pathlib import Path; from e31_prefect.ledger import Ledger;"
+    code = ("import sys, time; from pathlib import Path; from e31_prefect.host.ledger import Ledger;"
             f"f = Ledger(Path({str(tmp_path)!r})).folder('r'); assert f.own() is not None;"
             "f.holding_file.write_text('{}'); print('owned', flush=True); time.sleep(600)")
     worker = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
@@ -156,8 +164,8 @@ class StubbornEngine:
 def test_a_container_that_will_not_stop_is_killed_then_removed():
     from types import SimpleNamespace
 
-    from e31_prefect.ledger import Spec
-    from e31_prefect.supervised_work import ContainerWork
+    from e31_prefect.host.ledger import Spec
+    from e31_prefect.host.supervised_work import ContainerWork
 
     for kill_fails, expected in ((False, ["stop", "kill"]), (True, ["stop", "kill", "remove"])):
         engine = StubbornEngine(kill_fails)

@@ -23,16 +23,16 @@ import pytest
 from prefect.exceptions import PrefectHTTPStatusError
 from prefect.states import Completed, Failed, Running
 
-from e31_prefect import endings
-from e31_prefect.inventory import Device, Inventory
-from e31_prefect.job import Job, parse_job
-from e31_prefect.job_values import JobError
-from e31_prefect.ledger import Ledger, Record, Spec, process_running
-from e31_prefect.life import JobLife
-from e31_prefect.life_terms import Ends, judge
-from e31_prefect.run_states import RunStates
+from e31_prefect.host.inventory import Device, Inventory
+from e31_prefect.host.ledger import Ledger, Record, Spec, process_running
+from e31_prefect.host.settings import E31Settings
+from e31_prefect.model import endings
+from e31_prefect.model.job import Job, parse_job
+from e31_prefect.model.job_values import JobError
 from e31_prefect.runtimes import Placement
-from e31_prefect.settings import E31Settings
+from e31_prefect.surface.life import JobLife
+from e31_prefect.surface.life_terms import Ends, judge
+from e31_prefect.surface.run_states import RunStates
 
 NOW = datetime.now(timezone.utc)
 pytestmark = pytest.mark.anyio
@@ -458,7 +458,7 @@ def test_judge_says_what_a_user_needs_to_act():
 
 
 def test_the_tail_of_the_works_output_is_its_last_lines(tmp_path):
-    from e31_prefect.ledger import output_tail
+    from e31_prefect.host.ledger import output_tail
 
     log = tmp_path / "output.log"
     log.write_text("".join(f"line {n}\n" for n in range(10_000)))
@@ -528,7 +528,7 @@ async def test_a_run_handed_back_is_not_closed_and_leaves_nothing_behind(tmp_pat
 
 
 async def test_a_meter_prefect_cannot_record_stays_in_the_ledger_for_the_next_worker(tmp_path, monkeypatch):
-    monkeypatch.setattr("e31_prefect.life.CLOSE_RETRY_SECONDS", (0, 0))
+    monkeypatch.setattr("e31_prefect.surface.life.CLOSE_RETRY_SECONDS", (0, 0))
     life = life_for(tmp_path)
     life.report.fail_closing = True
     await run_work(life, "pass")

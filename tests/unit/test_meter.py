@@ -1,4 +1,4 @@
-"""Unit tests for e31_prefect.meter: step timestamps, what is billed, tags and the artifact table.
+"""Unit tests for e31_prefect.model.meter: step timestamps, what is billed, tags and the artifact table.
 
 Teams pay for rent and run only (``run_ended - rented``); queueing, staging and output upload are
 recorded but never billed.
@@ -10,7 +10,7 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from e31_prefect.meter import STEP_MEANING, STEPS, Meter, table, tags
+from e31_prefect.model.meter import STEP_MEANING, STEPS, Meter, table, tags
 
 T0 = datetime(2026, 12, 3, 22, 0, tzinfo=timezone.utc)
 

@@ -8,11 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from e31_prefect import disk, endings, fdtree
-from e31_prefect.job import parse_job
-from e31_prefect.job_values import JobError
-from e31_prefect.output_bounds import MAX_OUTPUT_PATH, OutputBounds, Usage, bounds_for, overrun, stops_ending
-from e31_prefect.staging import own_files
+from e31_prefect.data.staging import own_files
+from e31_prefect.host import disk, fdtree
+from e31_prefect.host.output_bounds import MAX_OUTPUT_PATH, OutputBounds, Usage, bounds_for, overrun, stops_ending
+from e31_prefect.model import endings
+from e31_prefect.model.job import parse_job
+from e31_prefect.model.job_values import JobError
 
 BOUNDS = OutputBounds("16m", 16 * 2**20, 10, 60.0)
 

@@ -1,4 +1,4 @@
-"""Unit tests for e31_prefect.prediction: a run's planned length learned from its deployment's past runs.
+"""Unit tests for e31_prefect.model.prediction: a run's planned length learned from its deployment's past runs.
 
 The rules: a high quantile of the usable past work times, never above the run's limit and never
 at or below zero; the limit itself with too little history; junk in the history (zero, negative,
@@ -14,7 +14,7 @@ from datetime import timedelta
 
 import pytest
 
-from e31_prefect.prediction import (
+from e31_prefect.model.prediction import (
     ABSURD,
     FLOOR,
     MIN_RUNS,

@@ -9,10 +9,17 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from e31_prefect import job_users
-from e31_prefect.leftovers import kill_processes, lives_as, owned_ipc, sweep_files, unsearched_mounts, world_writable
-from e31_prefect.sandbox import View, plan_view
-from e31_prefect.settings import E31Settings
+from e31_prefect.host import job_users
+from e31_prefect.host.leftovers import (
+    kill_processes,
+    lives_as,
+    owned_ipc,
+    sweep_files,
+    unsearched_mounts,
+    world_writable,
+)
+from e31_prefect.host.sandbox import View, plan_view
+from e31_prefect.host.settings import E31Settings
 
 
 def passable_but(*closed: Path):
@@ -184,7 +191,7 @@ def test_a_jobs_posix_message_queues_are_its_own():
     import ctypes
     import uuid
 
-    from e31_prefect import sandbox
+    from e31_prefect.host import sandbox
 
     queue = f"e31-queue-{uuid.uuid4().hex[:8]}"
     read, write = os.pipe()

@@ -9,9 +9,15 @@ import pytest
 from prefect.results import ResultRecordMetadata
 from prefect.states import Completed, Failed, to_state_create
 
-from e31_prefect.job import Job, parse_job
-from e31_prefect.job_values import JobError
-from e31_prefect.results import RESULTS_FOLDER, local_result_key, result_environment, result_url, state_reading_from
+from e31_prefect.data.results import (
+    RESULTS_FOLDER,
+    local_result_key,
+    result_environment,
+    result_url,
+    state_reading_from,
+)
+from e31_prefect.model.job import Job, parse_job
+from e31_prefect.model.job_values import JobError
 
 JOB = {"name": "j", "work": {"command": ["true"]}, "request": {"max_duration": "5m"}}
 

@@ -1,5 +1,5 @@
-"""Unit tests for what the worker keeps of its deployments' recent runs (e31_prefect.run_history), the pool's
-plan artifact rows (e31_prefect.plan_artifact) and what ``e31 submit`` / ``e31 queue`` say of a run's length."""
+"""Unit tests for what the worker keeps of its deployments' recent runs (e31_prefect.planning.run_history), the pool's
+plan artifact rows (e31_prefect.surface.plan_artifact) and what ``e31 submit`` / ``e31 queue`` say of a run's length."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import json
 from datetime import datetime, timedelta, timezone
 from uuid import uuid4
 
-from e31_prefect.forecast import length_line, rows
-from e31_prefect.inventory import Device
-from e31_prefect.plan_artifact import MAX_ROWS, PlanWriter, key, table
-from e31_prefect.run_history import RunHistory
-from e31_prefect.scheduling import Busy, WaitingRun, plan
+from e31_prefect.cli.forecast import length_line, rows
+from e31_prefect.host.inventory import Device
+from e31_prefect.planning.run_history import RunHistory
+from e31_prefect.planning.scheduling import Busy, WaitingRun, plan
+from e31_prefect.surface.plan_artifact import MAX_ROWS, PlanWriter, key, table
 
 NOW = datetime(2026, 12, 3, 22, 0, tzinfo=timezone.utc)
 TWO_HOURS = timedelta(hours=2)
@@ -135,8 +135,8 @@ def test_the_plan_is_written_only_when_it_changed_and_at_most_every_interval():
 def test_a_workers_busy_device_comes_back_at_its_runs_predicted_end_unless_its_limit_is_sooner(tmp_path):
     from uuid import uuid4
 
-    from e31_prefect.settings import E31Settings
-    from e31_prefect.worker import E31Worker
+    from e31_prefect.host.settings import E31Settings
+    from e31_prefect.surface.worker import E31Worker
 
     worker = E31Worker(work_pool_name="gpu", settings=E31Settings(gpus="2xH100", home=tmp_path / "home",
                                                                   device_locks=tmp_path / "locks"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from e31_prefect.run_states import RunStates
+from e31_prefect.surface.run_states import RunStates
 
 
 @pytest.fixture

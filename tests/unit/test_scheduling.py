@@ -1,4 +1,4 @@
-"""Unit tests for e31_prefect.scheduling: which waiting runs a worker starts now, on which devices.
+"""Unit tests for e31_prefect.planning.scheduling: which waiting runs a worker starts now, on which devices.
 
 Order: least slack (earliest latest start) first, then higher priority, then earlier scheduled
 time; runs with no deadline come last, ordered among themselves by priority, then scheduled
@@ -13,8 +13,8 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from e31_prefect.inventory import Device, matches
-from e31_prefect.scheduling import Decision, WaitingQueue, WaitingRun, decide, urgency
+from e31_prefect.host.inventory import Device, matches
+from e31_prefect.planning.scheduling import Decision, WaitingQueue, WaitingRun, decide, urgency
 
 UTC = timezone.utc
 NOW = datetime(2026, 12, 3, 22, 0, tzinfo=UTC)
@@ -309,7 +309,7 @@ def test_randomized_decisions_keep_their_promises(seed: int):
 
 from datetime import timedelta as _td  # noqa: E402
 
-from e31_prefect.scheduling import Busy, TraceJob, simulate  # noqa: E402
+from e31_prefect.planning.scheduling import Busy, TraceJob, simulate  # noqa: E402
 
 _NOW = datetime(2026, 12, 2, 22, 0, tzinfo=timezone.utc)
 _FOUR = [Device(i, "H100") for i in range(4)]

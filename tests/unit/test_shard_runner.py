@@ -1,4 +1,4 @@
-"""e31_prefect.shard_runner with real processes (no Prefect): each shard's devices, folder, log and retries;
+"""e31_prefect.flows.shard_runner with real processes (no Prefect): each shard's devices, folder, log and retries;
 the runner as a process of its own, and started early."""
 
 from __future__ import annotations
@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from e31_prefect.ledger import process_running
-from e31_prefect.shard_runner import (
+from e31_prefect.flows.shard_runner import (
     NoDevicesForShards,
     ShardProcess,
     ShardsRunnerFailed,
@@ -21,7 +20,8 @@ from e31_prefect.shard_runner import (
     start_early,
     take_early,
 )
-from e31_prefect.shards import SHARDS_VARIABLE, ShardSettings
+from e31_prefect.host.ledger import process_running
+from e31_prefect.model.shards import SHARDS_VARIABLE, ShardSettings
 
 PROBE = textwrap.dedent("""\
     import json, os, sys

@@ -1,4 +1,4 @@
-"""Unit tests for sharded jobs: the job's shard fields, and e31_prefect.shards' pure schedule.
+"""Unit tests for sharded jobs: the job's shard fields, and e31_prefect.model.shards' pure schedule.
 
 A user notices which shards ran where, how often a failing one ran again, whether the
 job ended Completed, and what the messages say; these tests check exactly that.
@@ -11,12 +11,11 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from e31_prefect.job import Job, parse_job
-from e31_prefect.job_file import load_job_file
-from e31_prefect.job_plan import plan, plan_problems
-from e31_prefect.job_values import MAX_SHARDS, JobError
-from e31_prefect.runtimes import job_environment
-from e31_prefect.shards import (
+from e31_prefect.model.job import Job, parse_job
+from e31_prefect.model.job_file import load_job_file
+from e31_prefect.model.job_plan import plan, plan_problems
+from e31_prefect.model.job_values import MAX_SHARDS, JobError
+from e31_prefect.model.shards import (
     SHARDS_VARIABLE,
     Progress,
     Schedule,
@@ -32,7 +31,8 @@ from e31_prefect.shards import (
     slot_count,
     slots,
 )
-from e31_prefect.submission import entrypoint_of
+from e31_prefect.runtimes import job_environment
+from e31_prefect.surface.submission import entrypoint_of
 
 
 def sharded(gpus: int = 4, **work) -> dict:

@@ -8,9 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from e31_prefect.command_flow import COMMAND_FLOW_ENTRYPOINT
-from e31_prefect.flow_shards import FLOW_SHARDS_ENTRYPOINT
-from e31_prefect.worker_configuration import SET_WORKING_DIRECTORY, shards_start
+from e31_prefect.flows.command_flow import COMMAND_FLOW_ENTRYPOINT
+from e31_prefect.flows.flow_shards import FLOW_SHARDS_ENTRYPOINT
+from e31_prefect.surface.worker_configuration import SET_WORKING_DIRECTORY, shards_start
 
 
 def run(command=("python", "sim.py")) -> SimpleNamespace:

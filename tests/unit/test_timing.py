@@ -1,4 +1,4 @@
-"""Unit tests for e31_prefect.timing: durations, earliest starts, deadlines, latest starts, slack.
+"""Unit tests for e31_prefect.model.timing: durations, earliest starts, deadlines, latest starts, slack.
 
 Everything here is pure time arithmetic; every "now" is a fixed, zone-aware datetime. Every
 moment timing returns is in UTC, so wall-clock checks convert with ``.astimezone(zone)`` first.
@@ -16,8 +16,8 @@ from zoneinfo import ZoneInfo
 
 import pytest
 
-from e31_prefect import timing
-from e31_prefect.timing import (
+from e31_prefect.model import timing
+from e31_prefect.model.timing import (
     DURATION_HINT,
     TIME_HINT,
     admission_duration,

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from e31_prefect.usage import MalformedMeter, RunUsage, gpus_of, meter_from_table, meter_rows, render, summarize
+from e31_prefect.cli.usage import MalformedMeter, RunUsage, gpus_of, meter_from_table, meter_rows, render, summarize
 
 
 def run(team, gpus, billed, outcome=None, deployment="train", pool="gpu", day="2026-12-02"):

@@ -1,0 +1,13 @@
+"""The host: what this machine has and how a run is held on it, whatever asks.
+
+Owns the device inventory and its leases (:mod:`.inventory`, :mod:`.lock_holders`, :mod:`.filelocks`),
+the ledger of runs (:mod:`.ledger`), a run's supervisor (:mod:`.supervisor`, :mod:`.supervised_work`,
+the worker's side :mod:`.supervision`), cgroups, sandbox, job users and what they leave behind
+(:mod:`.cgroups`, :mod:`.sandbox`, :mod:`.job_users`, :mod:`.leftovers`), a run's output disk and bounds
+(:mod:`.disk`, :mod:`.output_bounds`, :mod:`.fdtree`), the worker's own files (:mod:`.home_files`) and
+settings (:mod:`.settings`), and the job's gateway to the Prefect API that its supervisor serves
+(:mod:`.gateway`, :mod:`.gateway_rules`, :mod:`.websocket_frames`).
+
+May import: itself and the parts below it (:mod:`e31_prefect.model`; :mod:`e31_prefect.dirs`,
+:mod:`e31_prefect.job_entry`), never the parts above (tests/unit/test_layout.py).
+"""

@@ -1,0 +1,150 @@
+"""The namespaces a process job runs in, where the worker runs as root: a network and a view of its own.
+
+- **Network**: only its own loopback. It reaches no port of the host (not the Prefect API, not
+  another job's), only its gateway's Unix socket, by path.
+- **Files**: the host's, as its own user sees them, except that folders its user could not pass
+  through on the way to what it needs (Python, Prefect, e31, its code, its workspace) are covered
+  with an empty folder holding only those paths. A root-only home such as ``/root``, which holds
+  an interpreter installed there, shows the job that interpreter and nothing else of it.
+- **Temp**: every world-writable folder of the host (``/tmp``, ``/var/tmp``, ``/dev/shm``,
+  ``/run/lock`` ...) is a private, size-bounded tmpfs of its own (what it needs there shown again), so
+  nothing it writes there outlives it or reaches a later job given the same uid; ``/dev/mqueue`` is
+  its own too.
+- **IPC**: SysV shared memory, semaphores and message queues, and POSIX message queues, of its own.
+- **Hidden**: the host's e31 lock folders (devices, job uids) are an empty read-only folder, so it
+  cannot hold the lock of a device it never rented.
+
+Only the standard library: the supervisor enters these in the job's process, before it drops to
+the job's user and runs the job.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import os
+import socket
+import stat
+import struct
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWNET = 0x00020000, 0x08000000, 0x40000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 0x1, 0x2, 0x4, 0x8
+MS_BIND, MS_REC, MS_PRIVATE = 0x1000, 0x4000, 0x40000
+MQUEUE = Path("/dev/mqueue")  # POSIX message queues as files: the mounting process's IPC namespace's
+SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
+
+
+def others_may_pass(path: Path) -> bool:
+    """Whether a user who is neither owner nor in the group may pass through this folder."""
+    try:
+        return bool(os.stat(path).st_mode & stat.S_IXOTH)
+    except OSError:
+        return False
+
+
+@dataclass
+class View:
+    """Folders to cover with an empty one, private temp folders, the paths to show again inside them, and
+    folders to hide with an empty read-only one."""
+
+    covers: list[Path] = field(default_factory=list)
+    shows: list[Path] = field(default_factory=list)
+    temps: list[Path] = field(default_factory=list)  # each a private tmpfs, writable by everyone (1777)
+    hides: list[Path] = field(default_factory=list)
+    temp_bytes: int = 2 * 2**30  # the size bound of each private temp folder
+
+
+def plan_view(needed: Iterable[Path], passable: Callable[[Path], bool] = others_may_pass,
+              temps: Iterable[Path] = (), hides: Iterable[Path] = (), temp_bytes: int = 2 * 2**30) -> View:
+    """For each needed path (resolved), the topmost folder above it others cannot pass, covered, and the
+    path shown again; a path already shown by a wider one is not shown twice.
+
+    Each of ``temps`` (world-writable folders) becomes a private one; a needed path in one is shown again
+    there, and a world-writable folder that is or lies inside a needed path (a job file kept in ``/tmp``
+    itself) stays as it is: the job asked for it, and :mod:`e31_prefect.host.leftovers` clears what its uid
+    left there before the uid is reused. Each of ``hides`` is hidden whatever else shows it.
+    """
+    paths = sorted({Path(os.path.realpath(p)) for p in needed}, key=lambda p: (len(p.parts), str(p)))
+    view = View(temp_bytes=temp_bytes)
+    for temp in sorted({Path(os.path.realpath(t)) for t in temps}, key=lambda p: (len(p.parts), str(p))):
+        if temp == Path("/") or any(temp == path or path in temp.parents for path in paths):
+            continue
+        if not any(wider in temp.parents for wider in view.temps):
+            view.temps.append(temp)
+    for path in paths:
+        if any(path == shown or shown in path.parents for shown in view.shows):
+            continue
+        temp = next((temp for temp in view.temps if temp in path.parents), None)
+        blocked = next((folder for folder in reversed(path.parents) if folder != Path("/")
+                        and not passable(folder)), None)
+        if temp is None and blocked is None:
+            continue
+        # A folder inside a private temp folder, or inside one covered already, needs no cover of its own.
+        if blocked is not None and not (temp is not None and temp in blocked.parents) \
+                and not any(c == blocked or c in blocked.parents for c in view.covers):
+            view.covers.append(blocked)
+        view.shows.append(path)
+    view.hides = sorted({Path(os.path.realpath(h)) for h in hides}, key=lambda p: (len(p.parts), str(p)))
+    return view
+
+
+def enter(view: View | None, private_network: bool) -> None:
+    """In the job's process, as root: its own network, and its own view of the files and its own IPC."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if private_network:
+        _unshare(libc, CLONE_NEWNET)
+        _loopback_up()
+    if view is None:
+        return
+    _unshare(libc, CLONE_NEWNS | CLONE_NEWIPC)
+    _mount(libc, None, "/", None, MS_REC | MS_PRIVATE)  # nothing done here reaches the host's view
+    # Each shown path is held open before its folder is covered, then mounted back from the handle.
+    held = {path: os.open(path, os.O_PATH | os.O_CLOEXEC) for path in view.shows}
+    # Shallow first: a private /var/tmp inside a covered /var is mounted on the cover, not under it.
+    # Inodes bounded too (one per page of the size bound): empty files take kernel memory, not space.
+    inodes = max(1024, view.temp_bytes // 4096)
+    mounts = sorted([(folder, "mode=755,size=1m") for folder in view.covers]
+                    + [(temp, f"mode=1777,size={view.temp_bytes},nr_inodes={inodes}") for temp in view.temps],
+                    key=lambda mount: len(mount[0].parts))
+    for folder, options in mounts:
+        if os.path.isdir(folder):  # one inside a cover is gone from the view: nothing to make private there
+            _mount(libc, "tmpfs", str(folder), "tmpfs", MS_NOSUID | MS_NODEV, options)
+    if os.path.isdir(MQUEUE):  # the queues of its own IPC namespace, not the host's
+        _mount(libc, "mqueue", str(MQUEUE), "mqueue", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    for path, handle in held.items():
+        if os.path.isdir(f"/proc/self/fd/{handle}"):
+            os.makedirs(path, exist_ok=True)
+        else:
+            os.makedirs(path.parent, exist_ok=True)
+            Path(path).touch()
+        _mount(libc, f"/proc/self/fd/{handle}", str(path), None, MS_BIND | MS_REC)
+        os.close(handle)
+    for folder in view.hides:  # last, so no shown path brings one back
+        if os.path.isdir(folder):
+            _mount(libc, "tmpfs", str(folder), "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
+                   "mode=555,size=4k")
+
+
+def _unshare(libc: ctypes.CDLL, flags: int) -> None:
+    if libc.unshare(flags) != 0:
+        raise OSError(ctypes.get_errno(), f"unshare({flags:#x}) failed: a job's own namespaces need root")
+
+
+def _mount(libc: ctypes.CDLL, source: str | None, target: str, kind: str | None, flags: int,
+           data: str | None = None) -> None:
+    def encode(text: str | None) -> bytes | None:
+        return text.encode() if text is not None else None
+
+    if libc.mount(encode(source), encode(target), encode(kind), flags, encode(data)) != 0:
+        error = ctypes.get_errno()
+        raise OSError(error, f"mount {source} on {target} failed: {os.strerror(error)}")
+
+
+def _loopback_up() -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        request = struct.pack("16sH14s", b"lo", 0, b"")
+        flags = struct.unpack("16sH14s", fcntl.ioctl(probe, SIOCGIFFLAGS, request))[1]
+        fcntl.ioctl(probe, SIOCSIFFLAGS, struct.pack("16sH14s", b"lo", flags | IFF_UP, b""))

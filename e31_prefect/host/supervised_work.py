@@ -1,0 +1,309 @@
+"""The work a run's supervisor owns: a process in the run's cgroup (:class:`ProcessWork`) or a container
+(:class:`ContainerWork`), how it is started, ended and reaped, and how it exited (:class:`Exit`).
+
+Only the standard library (and the Docker client for containers): it runs in the supervisor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import threading
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Protocol
+
+from e31_prefect.host import cgroups, job_users, leftovers, sandbox
+from e31_prefect.host.ledger import Record, RunFolder, Spec, now
+
+
+@dataclass
+class Exit:
+    """How the work ended: its exit code, when, and whether it was killed at its memory limit."""
+
+    code: int
+    at: datetime
+    out_of_memory: bool = False
+
+
+class Work(Protocol):
+    """What the supervisor supervises: a process group in a cgroup, or a container."""
+
+    def start(self) -> str | None:
+        """Start it; its pid or container id (None: it never started)."""
+
+    def fileno(self) -> int:
+        """A file that becomes readable when the work ends."""
+
+    def ended(self) -> Exit | None:
+        """Its exit, once it ended (call when :meth:`fileno` is readable, or any time)."""
+
+    def terminate(self, grace_seconds: float) -> None:
+        """Ask every process of the work to stop (SIGTERM, or docker stop)."""
+
+    def kill(self) -> None:
+        """Kill every process of the work, now."""
+
+    def clean_up(self) -> None:
+        """After the end: nothing of the work is left (processes, cgroup, container)."""
+
+
+class ProcessWork:
+    """The work as a process in a session and cgroup of its own; the supervisor is its subreaper."""
+
+    def __init__(self, spec: Spec, folder: RunFolder, record: Record):
+        self.spec = spec
+        self.log = folder.output_log
+        self.ledger_folder = folder.path
+        self.record = record
+        self.group = cgroups.RunGroup.create(f"run-{spec.run_id}", spec.memory_bytes, spec.pids_limit,
+                                             None if spec.cgroups else cgroups.Mounts())
+        record.cgroup = str(self.group.v2) if self.group.v2 else None
+        record.limits = dict(self.group.limits)
+        record.notes += self.group.why
+        self.process: subprocess.Popen[bytes] | None = None
+        self._user: job_users.JobUser | None = None
+        self._pidfd = -1
+        self._exit: Exit | None = None
+
+    def start(self) -> str | None:
+        # The host's world-writable folders (milliseconds): the job gets private ones in their place.
+        temps = leftovers.world_writable() if self.spec.job_view else []
+        files, private, uid = self.group.join_files, self.spec.private_network, self._job_uid(temps)
+        view = sandbox.plan_view(map(Path, self.spec.job_view), temps=temps, hides=map(Path, self.spec.job_hidden),
+                                 temp_bytes=self.spec.job_temp_bytes) if self.spec.job_view else None
+
+        def before_exec() -> None:  # as root, in the child: its cgroup, its namespaces, then its user
+            if files:
+                cgroups.join(files)
+            sandbox.enter(view, private)
+            if uid is not None:
+                os.setgroups([])
+                os.setgid(uid)
+                os.setuid(uid)
+                leftovers.own_session_keyring()
+
+        with open(self.log, "ab") as out:
+            self.process = subprocess.Popen(
+                self.spec.argv, env=self.spec.env, cwd=self.spec.cwd, stdin=subprocess.DEVNULL,
+                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                preexec_fn=before_exec if files or private or view or uid is not None else None)
+        self._pidfd = os.pidfd_open(self.process.pid)
+        return str(self.process.pid)
+
+    def _job_uid(self, world_writable: list[Path]) -> int | None:
+        """The uid of the job's own (held by this supervisor until it exits), its folders handed over, and
+        nothing left on the host by an earlier job of that uid whose supervisor died before it swept."""
+        if not self.spec.job_user_locks:
+            return None
+        first, last = self.spec.job_uids
+        user = job_users.claim(Path(self.spec.job_user_locks), range(first, last + 1))
+        if user is None:
+            raise RuntimeError(f"every job uid of this host ({first}-{last}) is held by a running job")
+        self._user = user  # its lock stays open as long as the supervisor runs
+        self.record.notes += leftovers.sweep(user.uid, world_writable)
+        job_users.hand_over(user.uid, Path(self.spec.cwd or "."), [Path(p) for p in self.spec.job_writable],
+                            self.ledger_folder)
+        self.record.job_user = user.uid
+        return user.uid
+
+    def fileno(self) -> int:
+        return self._pidfd
+
+    def ended(self) -> Exit | None:
+        if self._exit is None and self.process is not None:
+            reap(but=self.process.pid)
+            try:
+                pid, status = os.waitpid(self.process.pid, os.WNOHANG)
+            except ChildProcessError:
+                pid, status = self.process.pid, 0
+            if pid:
+                # The process was reaped here, not by Popen: tell it, so it never waits on a reused pid.
+                self.process.returncode = os.waitstatus_to_exitcode(status)
+                self._exit = Exit(self.process.returncode, now(), self.group.out_of_memory())
+        return self._exit
+
+    def terminate(self, grace_seconds: float) -> None:
+        for pid in self._everyone():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.group.kill()
+        main = self.process.pid if self.process is not None else None
+        for _ in range(100):  # without a cgroup, its processes are ours to find, reparented or not
+            left = _descendants(os.getpid())
+            if not left:
+                break
+            for pid in left:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+            reap(but=None if self._exit else main)  # the main process's status is the run's exit code
+            time.sleep(0.01)
+
+    def clean_up(self) -> None:
+        self.kill()
+        reap()
+        self.group.remove()
+        if self._user is not None:  # before the uid goes back (this supervisor's exit): nothing of it stays
+            self.record.notes += leftovers.sweep(self._user.uid, leftovers.world_writable())
+        with contextlib.suppress(OSError):
+            os.close(self._pidfd)
+
+    def _everyone(self) -> set[int]:
+        return self.group.pids() | _descendants(os.getpid())
+
+
+class ContainerWork:
+    """The work as a container the worker created and started; the supervisor watches, stops and removes it.
+
+    Docker keeps the container's own start, end, exit code and memory kill; the supervisor adds
+    the time limit, the stop when asked, and a stop that escalates (stop, kill, remove) so a
+    container that will not stop never bills past its limit and grace.
+    """
+
+    def __init__(self, spec: Spec, names: list[str], client: Any = None, log: Path | None = None):
+        self.log = log
+        if client is None:
+            import docker
+
+            client = docker.from_env(timeout=30)
+        self.spec = spec
+        self.client = client
+        self.api = client.api
+        self.id: str | None = next(iter(names), None)
+        self._read, self._write = os.pipe()
+        self._exit: Exit | None = None
+        self._stopping: threading.Thread | None = None
+
+    def start(self) -> str | None:
+        if self.id is None and self.spec.container_label:
+            # The worker never named it (it died or failed first): one may exist, under the run's label.
+            found = self.api.containers(all=True, filters={"label": self.spec.container_label})
+            self.id = found[0]["Id"] if found else None
+        if self.id is None:
+            return None
+        threading.Thread(target=self._wait, daemon=True).start()
+        if self.spec.container_logs and self.log is not None:
+            threading.Thread(target=self._copy_output, daemon=True).start()
+        return self.id
+
+    def _copy_output(self) -> None:
+        """The container's output, as it comes, into the run's output log."""
+        with contextlib.suppress(Exception), open(self.log, "ab") as out:
+            for chunk in self.api.logs(self.id, stream=True, follow=True):
+                out.write(chunk)
+                out.flush()
+
+    def _wait(self) -> None:
+        import docker.errors
+        import requests.exceptions
+
+        while True:
+            try:
+                self.api.wait(self.id, timeout=30)
+                break
+            except requests.exceptions.RequestException:
+                continue  # the wait timed out or the engine restarted: wait again
+            except docker.errors.NotFound:
+                break
+            except docker.errors.APIError:
+                time.sleep(1)
+        os.write(self._write, b"x")
+
+    def fileno(self) -> int:
+        return self._read
+
+    def ended(self) -> Exit | None:
+        if self._exit is None:
+            state = self._state()
+            if state is not None and state.get("Status") in ("running", "restarting", "created", "paused"):
+                return None
+            state = state or {}
+            finished = _docker_time(state.get("FinishedAt")) or now()
+            self._exit = Exit(int(state.get("ExitCode", -1)), finished, bool(state.get("OOMKilled")))
+        return self._exit
+
+    def _state(self) -> dict | None:
+        import docker.errors
+
+        try:
+            return self.api.inspect_container(self.id)["State"]
+        except docker.errors.NotFound:
+            return None
+        except Exception:
+            return {"Status": "running"}  # the engine does not answer: assume the worst, ask again
+
+    def terminate(self, grace_seconds: float) -> None:
+        if self._stopping is None or not self._stopping.is_alive():
+            self._stopping = threading.Thread(target=self._stop, args=(grace_seconds,), daemon=True)
+            self._stopping.start()
+
+    def _stop(self, grace_seconds: float) -> None:
+        with contextlib.suppress(Exception):
+            self.api.stop(self.id, timeout=max(1, round(grace_seconds)))
+            return
+        self.kill()
+
+    def kill(self) -> None:
+        for action in (lambda: self.api.kill(self.id), lambda: self.api.remove_container(self.id, force=True)):
+            with contextlib.suppress(Exception):
+                action()
+                return
+
+    def clean_up(self) -> None:
+        with contextlib.suppress(Exception):
+            self.api.remove_container(self.id, force=True)
+        self.client.close()
+
+
+def _docker_time(text: str | None) -> datetime | None:
+    """Docker's RFC 3339 times (nanoseconds); None for its zero time."""
+    if not text or text.startswith("0001-"):
+        return None
+    head, _, rest = text.partition(".")
+    fraction = "".join(c for c in rest if c.isdigit())[:6]
+    zone = "+00:00" if rest.endswith("Z") or text.endswith("Z") else rest[len(fraction):][-6:]
+    try:
+        return datetime.fromisoformat(f"{head}.{fraction or '0'}{zone}").astimezone(timezone.utc)
+    except ValueError:
+        return None
+
+
+def _descendants(root: int) -> set[int]:
+    """Every live process below ``root`` (read from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if stat[0] not in ("Z", "X"):
+            children.setdefault(int(stat[1]), []).append(int(entry))
+    found: set[int] = set()
+    stack = [root]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            if child not in found:
+                found.add(child)
+                stack.append(child)
+    return found
+
+
+def reap(but: int | None = None) -> None:
+    """Reap every exited child (orphans of the work are reparented here), except ``but``, left for its owner."""
+    while True:
+        try:
+            info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            return
+        if info is None or info.si_pid == but:
+            return
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(info.si_pid, 0)

@@ -1,0 +1,414 @@
+"""A run's supervisor, in the spirit of Slurm's slurmstepd: it owns the work, bounds it and records it.
+
+    python -m e31_prefect.host.supervisor $E31_HOME/ledger/<flow run id>
+
+The worker starts one supervisor per run, in a session of its own, before
+renting. The supervisor starts the work (a process in the run's cgroup, or a
+container the worker created and names on its control socket, stdin), which
+loads Prefect with no device and says ``ready``. The worker then rents and
+hands the devices over on the control socket (their variables, the time limit,
+their lock files); the supervisor passes the variables to the waiting work:
+the meter starts there. A work that dies while it waits, a cancel, or a worker
+that goes before handing anything over ends the work unbilled ("not-started").
+
+From the hand-over on the supervisor outlives the worker: it enforces the time
+limit whether or not the worker lives, stops the work when asked (SIGTERM: the
+run was cancelled), kills every process of the work at the end (``setsid``
+daemons too), and records durably in the ledger when the work started, when it
+said its work was done, when it ended and how. It holds the run's device locks
+(handed over by the worker), so the devices stay rented exactly as long as the
+work can use them.
+
+The job's own entry (:mod:`e31_prefect.job_entry`) writes to the ``work-ended``
+pipe when the flow's function returns, before the engine reports to the
+Prefect API: the meter stops there, so an API that is down at the end of a run
+is billed to nobody. The job then has ``report_grace_seconds`` to report and exit.
+
+Only the standard library (and the Docker client for containers): it starts in
+milliseconds, and every second between renting and starting is billed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import selectors
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import asdict
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+from e31_prefect.host import fdtree
+from e31_prefect.host.gateway import Gateway, auth_header
+from e31_prefect.host.ledger import Record, RunFolder, Spec, append_line, moment, now, this_process
+from e31_prefect.host.supervised_work import ContainerWork, Exit, ProcessWork, Work
+from e31_prefect.job_entry import READY
+
+PR_SET_CHILD_SUBREAPER = 36
+KILL_RETRY_SECONDS = 1.0
+OUTPUT_COUNT_SECONDS = 2.0  # how often an output dir that is no disk of its own is counted against its bounds
+CONTAINER_STOP_EXTRA_SECONDS = 5.0  # past the grace, a container that did not stop is killed, then removed
+
+
+class Control:
+    """The worker's messages on the supervisor's stdin, a Unix socket: one JSON object a line, the lock files
+    of the run's devices passed with the hand-over. An end of file: the worker is gone (or let the run go)."""
+
+    def __init__(self, sock: socket.socket | None):
+        self.sock = sock
+        self.buffer = b""
+        self.closed = sock is None
+        self.lock_files: list[int] = []  # kept open until the supervisor exits: the devices stay rented
+
+    def fileno(self) -> int:
+        assert self.sock is not None
+        return self.sock.fileno()
+
+    def read(self) -> list[dict[str, Any]]:
+        """The messages that arrived (call when readable: it waits for one read otherwise)."""
+        if self.sock is None or self.closed:
+            return []
+        try:
+            data, fds, _, _ = socket.recv_fds(self.sock, 65536, 64)
+        except OSError:
+            data, fds = b"", []
+        for fd in fds:
+            os.set_inheritable(fd, False)
+        self.lock_files += fds
+        if not data:
+            self.closed = True
+        self.buffer += data
+        *lines, self.buffer = self.buffer.split(b"\n")
+        messages = []
+        for line in lines:
+            with contextlib.suppress(ValueError):
+                message = json.loads(line)
+                if isinstance(message, dict):
+                    messages.append(message)
+        return messages
+
+    def first(self) -> dict[str, Any] | None:
+        """The first message (waiting for it), or None at an end of file."""
+        while not self.closed:
+            messages = self.read()
+            if messages:
+                return messages[0]
+        return None
+
+
+class Supervisor:
+    """Runs one run's work to its end and records it; see the module's docstring."""
+
+    def __init__(self, folder: RunFolder, spec: Spec, work: Work, record: Record, stop: threading.Event,
+                 wake: int, control: Control | None = None):
+        self.folder = folder
+        self.control = control or Control(None)
+        self.spec = spec
+        self.work = work
+        self.record = record
+        self.stop = stop  # set by SIGTERM: the run was cancelled
+        self.wake = wake  # readable when a signal arrived
+        self.stop_at = moment(spec.stop_at)
+        self.kill_at: datetime | None = None
+        self.report_by: datetime | None = None
+        self.ending = threading.Event()  # the work said it ended or is being stopped: its run may end (gateway)
+        self.outputs_counted = time.monotonic()
+
+    def save(self) -> None:
+        """Write the record as it stands."""
+        self.folder.write_record(self.record)
+
+    def run(self) -> int:
+        """Start the work, hand it its devices, bound it, record its end. Returns the exit status (0)."""
+        pipe = _open_pipe(self.folder.work_ended_pipe)
+        gate = _open_gate(self.folder.hand_over_pipe)
+        try:
+            infrastructure = self.work.start()
+        except Exception as exc:
+            infrastructure = None
+            self.record.message = f"the work could not start: {type(exc).__name__}: {exc}"
+        if infrastructure is None:
+            self.record.ending, self.record.ended = "not-started", now().isoformat()
+            self.record.message = self.record.message or "the work never started"
+            self.save()
+            return 0
+        self.record.infrastructure = infrastructure
+        self.save()
+        # Served only once the work is started: a thread must not run while the work's process forks.
+        gateway = _serve_gateway(self.spec, self.ending)
+        try:
+            if not self._hand_over(pipe, gate):
+                self._never_handed_over()
+                return 0
+            exit_ = self._supervise(pipe)
+        except BaseException:
+            # Whatever broke the watch (a job that used up the supervisor's descriptors, say), the work does
+            # not outlive it: every process of it goes before the supervisor, and its device locks, do.
+            self.work.kill()
+            self.work.clean_up()
+            raise
+        finally:
+            if gateway is not None:
+                gateway.close()
+        self._finish(exit_)
+        return 0
+
+    def _hand_over(self, pipe: int, gate: int) -> bool:
+        """Until the work has both said it is ready and been handed its devices by the worker: then give it
+        their variables on the gate, and the meter starts. False: it died, was cancelled, or the worker went
+        first (the reason is in the record)."""
+        handed: dict[str, Any] | None = None
+        selector = selectors.DefaultSelector()
+        selector.register(self.work.fileno(), selectors.EVENT_READ, "work")
+        selector.register(pipe, selectors.EVENT_READ, "said")
+        selector.register(self.wake, selectors.EVENT_READ, "signal")
+        if self.control.closed:
+            self.record.message = "no worker to hand it its devices (the supervisor has no control socket)"
+            return False
+        selector.register(self.control, selectors.EVENT_READ, "control")
+        while True:
+            for key, _ in selector.select(KILL_RETRY_SECONDS):
+                if key.data == "said" and _words(pipe) and self.record.ready is None:
+                    self.record.ready = now().isoformat()  # the entry's first word is its ready
+                    self.save()
+                elif key.data == "control":
+                    for message in self.control.read():
+                        handed = message.get("hand_over", handed)
+                    if self.control.closed:
+                        if handed is None:
+                            self.record.message = "the worker handed over no devices (it stopped, or could not rent)"
+                            return False
+                        selector.unregister(self.control)
+                elif key.data == "signal":
+                    with contextlib.suppress(BlockingIOError):
+                        os.read(self.wake, 512)
+            if self.stop.is_set():
+                self.record.message = "cancelled before its devices were handed over"
+                return False
+            exit_ = self.work.ended()
+            if exit_ is not None:
+                self.record.exit_code = exit_.code
+                self.record.message = (f"the job's process ended (exit code {exit_.code}) before its devices "
+                                       "were handed over; its output log says why")
+                return False
+            if handed is not None and self.record.ready is not None:
+                break
+        with contextlib.suppress(OSError):  # a job that closed its end gets its variables nowhere: it ends
+            os.write(gate, json.dumps({"env": handed.get("env") or {}}).encode() + b"\n")
+        os.close(gate)
+        self.record.started = now().isoformat()
+        self.stop_at = moment(handed.get("stop_at"))
+        self.spec.rented = handed.get("rented")
+        self.save()
+        return True
+
+    def _never_handed_over(self) -> None:
+        """The work ends as it waited, unbilled: nothing of the job's own ran."""
+        self.work.kill()
+        self.work.clean_up()
+        self.record.ending, self.record.ended = "not-started", now().isoformat()
+        self.save()
+
+    def _supervise(self, pipe: int) -> Exit:
+        """Until the work ends: its end said, stop requests, the time limit."""
+        selector = selectors.DefaultSelector()
+        selector.register(self.work.fileno(), selectors.EVENT_READ, "work")
+        selector.register(pipe, selectors.EVENT_READ, "work-ended")
+        selector.register(self.wake, selectors.EVENT_READ, "signal")
+        while True:
+            for key, _ in selector.select(self._seconds_to_next()):
+                if key.data == "work-ended" and self._work_said_ended(pipe):
+                    selector.unregister(pipe)
+                elif key.data == "signal":
+                    with contextlib.suppress(BlockingIOError):
+                        os.read(self.wake, 512)
+            exit_ = self.work.ended()
+            if exit_ is not None:
+                return exit_
+            self._enforce()
+
+    def _seconds_to_next(self) -> float:
+        """Until the next thing to do (at most a second, so the work's state is read often)."""
+        due = self.kill_at if self.record.stop_reason is not None else self.report_by or self.stop_at
+        if due is None:
+            return KILL_RETRY_SECONDS
+        return max(0.0, min(KILL_RETRY_SECONDS, (due - now()).total_seconds()))
+
+    def _work_said_ended(self, pipe: int) -> bool:
+        """The job wrote to the work-ended pipe (anything but its ready): the meter's end. True once it has."""
+        if not [word for word in _words(pipe) if word != READY]:
+            return False
+        self.record.work_ended = now().isoformat()
+        self.report_by = now() + timedelta(seconds=self.spec.report_grace_seconds)
+        self.save()
+        self.ending.set()
+        return True
+
+    def _enforce(self) -> None:
+        """Start a stop at the time limit, when asked, or when a job that said it ended never exits."""
+        at = now()
+        if self.record.stop_reason is None:
+            if self.stop.is_set():
+                self._begin_stop("stop-requested", at, self.spec.grace_seconds)
+            elif self.report_by is not None and at >= self.report_by:
+                self._begin_stop("report-overdue", at, 0.0)
+            elif self.report_by is None and self.stop_at is not None and at >= self.stop_at:
+                self._begin_stop("time-limit", at, self.spec.grace_seconds)
+            elif self._outputs_past_bounds():
+                self._begin_stop("output-bound", at, self.spec.grace_seconds)
+        elif self.kill_at is not None and at >= self.kill_at:
+            self.work.kill()
+            self.kill_at = at + timedelta(seconds=KILL_RETRY_SECONDS)
+
+    def _outputs_past_bounds(self) -> bool:
+        """Where the output dir is no disk of its own (the kernel bounds one), whether the work wrote past its
+        bounds; counted every few seconds, the count itself bounded."""
+        spec = self.spec
+        if spec.output_dir is None or spec.output_max_entries is None:
+            return False
+        if time.monotonic() - self.outputs_counted < OUTPUT_COUNT_SECONDS:
+            return False
+        self.outputs_counted = time.monotonic()
+        entries, size = fdtree.count(Path(spec.output_dir), spec.output_max_entries, fdtree.MAX_OUTPUT_PATH)
+        return entries > spec.output_max_entries or (spec.output_max_bytes is not None
+                                                    and size > spec.output_max_bytes)
+
+    def _begin_stop(self, reason: str, at: datetime, grace: float) -> None:
+        self.record.stop_reason, self.record.stop_requested = reason, at.isoformat()
+        self.save()
+        self.ending.set()
+        if grace > 0:
+            self.work.terminate(grace)
+            extra = CONTAINER_STOP_EXTRA_SECONDS if isinstance(self.work, ContainerWork) else 0.0
+            self.kill_at = at + timedelta(seconds=grace + extra)
+        else:
+            self.work.kill()
+            self.kill_at = at + timedelta(seconds=KILL_RETRY_SECONDS)
+
+    def _finish(self, exit_: Exit) -> None:
+        # Whatever the work left behind goes with it: daemons, children of a dead leader.
+        self.work.clean_up()
+        self.record.ended = exit_.at.isoformat()
+        self.record.exit_code = exit_.code
+        reason = self.record.stop_reason
+        if exit_.out_of_memory:
+            self.record.ending = "out-of-memory"
+        elif reason == "time-limit":
+            self.record.ending = "timed-out"
+        elif reason == "stop-requested":
+            self.record.ending = "stopped"
+        elif reason == "output-bound":
+            self.record.ending = "output-bound"
+        else:
+            self.record.ending = "exited"
+        self.save()
+        if self.spec.accounting:
+            # The host's own account of every run, written by the supervisor as the work ends, whatever
+            # becomes of the worker or the Prefect API (as Slurm's accounting keeps what slurmstepd saw).
+            with contextlib.suppress(OSError):
+                append_line(Path(self.spec.accounting), {"run_id": self.spec.run_id, "rented": self.spec.rented,
+                                                         "grace_seconds": self.spec.grace_seconds,
+                                                         **asdict(self.record)})
+
+
+def _words(pipe: int) -> list[str]:
+    """What the job wrote to the work-ended pipe since the last read (its words, a line each)."""
+    try:
+        said = os.read(pipe, 4096)
+    except BlockingIOError:
+        return []
+    return said.decode(errors="replace").split() or []
+
+
+def _open_gate(path: Path) -> int:
+    """The hand-over pipe, open read-write so the job's open never waits and a supervisor that dies leaves
+    it an end of file. Only its supervisor writes it (the job reads)."""
+    with contextlib.suppress(FileExistsError):
+        os.mkfifo(path, 0o644)
+    return os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
+
+
+def _open_pipe(path: Path) -> int:
+    """The work-ended pipe (the worker made it), open for reading; read-write so a writer closing it
+    never reads as an end."""
+    with contextlib.suppress(FileExistsError):
+        os.mkfifo(path, 0o622)
+    return os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
+
+
+def _signal_pipe(stop: threading.Event) -> int:
+    """SIGTERM asks for a stop; SIGCHLD wakes the loop; the terminal's signals are not the supervisor's."""
+    read, write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    signal.set_wakeup_fd(write)
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    for ignored in (signal.SIGINT, signal.SIGHUP, signal.SIGPIPE):
+        signal.signal(ignored, signal.SIG_IGN)
+    return read
+
+
+def _serve_gateway(spec: Spec, ending: threading.Event) -> Gateway | None:
+    """The run's API gateway on the socket the worker made (None: the job talks to no Prefect API); its
+    run may end once ``ending`` is set."""
+    if spec.api_upstream is None or spec.api_socket_fd is None:
+        return None
+    listening = socket.socket(fileno=spec.api_socket_fd)
+    os.set_inheritable(listening.fileno(), False)  # the work never holds it
+    gateway = Gateway(listening, spec.api_upstream, spec.run_id, auth_header(spec.api_key, spec.api_auth_string),
+                      token=spec.api_key or spec.api_auth_string)
+    gateway.work_ending = ending
+    gateway.serve()
+    return gateway
+
+
+def _become_subreaper() -> None:
+    # The work's orphans (a double-forked daemon) are reparented here, not to init: the
+    # supervisor can find and kill them where the host gives it no cgroup.
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def _control() -> Control:
+    """The worker's control socket (stdin); none where stdin is no socket (a supervisor started by hand)."""
+    try:
+        sock = socket.socket(fileno=os.dup(0))
+    except OSError:
+        return Control(None)
+    if sock.family != socket.AF_UNIX:
+        sock.detach()
+        return Control(None)
+    return Control(sock)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Supervise the run whose ledger folder is the first argument."""
+    argv = sys.argv[1:] if argv is None else argv
+    folder = RunFolder(Path(argv[0]))
+    spec = folder.spec()
+    if spec is None:
+        print(f"no readable spec.json in {folder.path}", file=sys.stderr)
+        return 2
+    pid, started = this_process()
+    record = Record(supervisor_pid=pid, supervisor_started=started)
+    folder.write_record(record)
+    stop = threading.Event()
+    wake = _signal_pipe(stop)  # before anything else: a cancel may come while the work starts
+    _become_subreaper()
+    control = _control()
+    if spec.runtime == "container":  # the worker names the container it started first (none: it started none)
+        named = (control.first() or {}).get("container")
+        work: Work = ContainerWork(spec, [named] if named else [], log=folder.output_log)
+    else:
+        work = ProcessWork(spec, folder, record)
+    return Supervisor(folder, spec, work, record, stop, wake, control).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
