@@ -108,14 +108,13 @@ def layout_problems(root: Path, parts: list[tuple[str, tuple[str, ...]]] = PARTS
         if rank is None:
             problems.append(f"{name} is in no part: put it in one of {', '.join(p for p, _ in parts)} "
                             "(tests/unit/test_layout.py PARTS, docs/layout.md)")
-            continue
         lines = len(path.read_text().splitlines())
         if lines > max_lines:
             problems.append(f"{name} has {lines} lines, over {max_lines}: split it by concern")
         for found in imports(name, path, known, root):
             edges.setdefault(name, []).append(found)
             target_rank = part_of(found.target, parts)
-            if target_rank is not None and target_rank > rank and (name, found.target) not in allowed:
+            if None not in (rank, target_rank) and target_rank > rank and (name, found.target) not in allowed:
                 problems.append(
                     f"{found.where}: {name} imports {found.target}, but {parts[rank][0]} may not import "
                     f"{parts[target_rank][0]} (a part above it): pass what it needs, or a Protocol")
@@ -124,27 +123,59 @@ def layout_problems(root: Path, parts: list[tuple[str, tuple[str, ...]]] = PARTS
 
 
 def cycles(edges: dict[str, list[Import]]) -> list[str]:
-    """Each cycle of imports between modules, once, as ``a (file:line) -> b (file:line) -> a``."""
-    found, done = [], set()
-
-    def visit(module: str, trail: list[Import], on_trail: set[str]) -> None:
-        for step in edges.get(module, []):
-            if step.target in on_trail:
-                start = next(i for i, s in enumerate(trail) if s.module == step.target)
-                loop = [*trail[start:], step]
-                key = frozenset(s.module for s in loop)
-                if key not in done:
-                    done.add(key)
-                    found.append(" -> ".join(f"{s.module} ({s.where})" for s in loop) + f" -> {step.target}")
-            elif step.target not in visited:
-                visit(step.target, [*trail, step], on_trail | {step.target})
-        visited.add(module)
-
-    visited: set[str] = set()
-    for module in sorted(edges):
-        if module not in visited:
-            visit(module, [], {module})
+    """One cycle for each group of modules that import each other, as ``a (file:line) -> b (file:line) -> a``:
+    the shortest through the group's first module by name."""
+    found = []
+    for group in _groups(edges):
+        start = min(group)
+        came: dict[str, Import] = {}
+        queue = [start]
+        while queue and start not in came:  # breadth first inside the group, back to the start
+            module = queue.pop(0)
+            for step in edges.get(module, []):
+                if step.target in group and step.target not in came:
+                    came[step.target] = step
+                    queue.append(step.target)
+        loop = [came[start]]
+        while loop[-1].module != start:
+            loop.append(came[loop[-1].module])
+        loop.reverse()
+        others = sorted(group - {s.module for s in loop})
+        found.append(" -> ".join(f"{s.module} ({s.where})" for s in loop) + f" -> {start}"
+                     + (f"; in cycles with these too: {', '.join(others)}" if others else ""))
     return found
+
+
+def _groups(edges: dict[str, list[Import]]) -> list[set[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    groups = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for step in edges.get(module, []):
+            if step.target not in index:
+                visit(step.target)
+                low[module] = min(low[module], low[step.target])
+            elif step.target in stack:
+                low[module] = min(low[module], index[step.target])
+        if low[module] == index[module]:
+            group = set()
+            while True:
+                member = stack.pop()
+                group.add(member)
+                if member == module:
+                    break
+            if len(group) > 1:
+                groups.append(group)
+
+    for module in sorted(edges):
+        if module not in index:
+            visit(module)
+    return sorted(groups, key=min)
 
 
 def test_the_package_keeps_its_layout():
@@ -202,8 +233,9 @@ def test_a_cycle_between_modules_of_one_part_fails_naming_each_import(tmp_path):
 
 
 def test_a_module_over_600_lines_or_in_no_part_fails(tmp_path):
-    root = _tree(tmp_path, {"model/job.py": "x = 1\n" * 601, "extra.py": ""})
+    root = _tree(tmp_path, {"model/job.py": "x = 1\n" * 601, "extra.py": "x = 1\n" * 700})
     assert layout_problems(root) == [
         "e31_prefect.extra is in no part: put it in one of job side, model, host, data, planning, runtimes, "
         "flows, surface, cli, stable names (tests/unit/test_layout.py PARTS, docs/layout.md)",
+        "e31_prefect.extra has 700 lines, over 600: split it by concern",
         "e31_prefect.model.job has 601 lines, over 600: split it by concern"]
