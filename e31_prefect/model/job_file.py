@@ -22,10 +22,7 @@ import yaml
 from e31_prefect.model.job import Job, parse_job
 from e31_prefect.model.job_values import MAX_INT, MISSING, JobError, Problem
 from e31_prefect.model.job_work import Work
-from e31_prefect.model.shards import (
-    missing_parameters_fix,
-    missing_shard_parameters,
-)
+from e31_prefect.model.shards import missing_parameters_fix, missing_shard_parameters
 
 # -- job files --------------------------------------------------------------------------------
 

@@ -14,10 +14,7 @@ from pathlib import PurePosixPath
 from typing import Annotated, Any
 from urllib.parse import urlsplit
 
-from pydantic import (
-    BeforeValidator,
-    PlainSerializer,
-)
+from pydantic import BeforeValidator, PlainSerializer
 from pydantic_core import PydanticCustomError
 
 from e31_prefect.model import timing

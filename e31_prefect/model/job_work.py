@@ -6,14 +6,7 @@ from __future__ import annotations
 import shlex
 from typing import Any
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    ValidationInfo,
-    field_validator,
-    model_validator,
-)
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from e31_prefect.model.job_values import (
     _SHARD_COUNTS,
@@ -25,9 +18,7 @@ from e31_prefect.model.job_values import (
     _shown,
     _too_long,
 )
-from e31_prefect.model.shards import (
-    SHARD_PARAMETERS,
-)
+from e31_prefect.model.shards import SHARD_PARAMETERS
 
 
 class Work(BaseModel):

@@ -17,11 +17,7 @@ import anyio.abc
 from prefect.client.schemas.objects import State
 
 from e31_prefect.data import results
-from e31_prefect.data.staging import (
-    UploadError,
-    missing_outputs,
-    upload_outputs,
-)
+from e31_prefect.data.staging import UploadError, missing_outputs, upload_outputs
 from e31_prefect.host import disk, output_bounds
 from e31_prefect.host.ledger import Record, now, output_tail
 from e31_prefect.model import endings
