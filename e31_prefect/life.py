@@ -72,6 +72,8 @@ if TYPE_CHECKING:
 
 QUOTA_RETRY = timedelta(seconds=15)
 CLOSE_RETRY_SECONDS = (1, 2, 5, 10, 30)  # the meter is recorded in Prefect once the API answers again
+GONE = ("the flow run is gone from Prefect (deleted while this worker had it); its devices, ledger entry and "
+        "workspace are released, and nothing more of it is recorded")
 
 
 def scheduled_start(flow_run: FlowRun) -> datetime:
@@ -202,6 +204,13 @@ class JobLife:
         except Exception as exc:
             if isinstance(exc, Ends):
                 ending = exc.ending
+            elif isinstance(exc, ObjectNotFound) and await self._gone_from_prefect():
+                # Deleted while this worker had it: nothing is left in Prefect to tell, and no later try
+                # would find it; what it held goes back now.
+                self._signal_started(RuntimeError(GONE))
+                with anyio.CancelScope(shield=True):
+                    await self.release(None)
+                return None
             elif transient(exc) and self.holding is not None and self.infrastructure is not None:
                 # The work ran; only Prefect did not answer. The ledger keeps the run, and this host's
                 # next sweep for runs no worker owns (every heartbeat) finishes its life.
@@ -219,6 +228,8 @@ class JobLife:
             with anyio.CancelScope(shield=True):
                 try:
                     await self._set_state(ending)
+                except ObjectNotFound:
+                    self.log.warning("The run's state could not be set to %s: %s", ending.name, GONE)
                 except Exception as unset:
                     self.log.error("The run's state could not be set to %s: %s", ending.name, unset)
         self._signal_started(RuntimeError("The run ended before it started."))
@@ -506,6 +517,11 @@ class JobLife:
                 if state is not None and state.is_cancelling():
                     self.log.info("Cancellation requested: stopping the run")
                     supervisor.stop()
+                elif state is None and await self._gone_from_prefect():
+                    # Deleted while it runs: its work would hold the devices to its time limit, billed to nobody.
+                    self.log.warning("Stopping the work: %s", GONE)
+                    supervisor.stop()
+                    return
 
     async def _over_bounds(self) -> bool:
         """Where the output dir is no disk of its own, whether the work wrote past its bounds (then it is stopped)."""
@@ -562,6 +578,16 @@ class JobLife:
             return self._passed
         usage = await anyio.to_thread.run_sync(disk.measure, self.workspace / "output", self.bounds)
         return output_bounds.overrun(self.bounds, usage) or self._passed
+
+    async def _gone_from_prefect(self) -> bool:
+        """Whether the flow run itself was deleted from Prefect (a 404 may name something else)."""
+        try:
+            await self.worker.client.read_flow_run(self.run_id)
+        except ObjectNotFound:
+            return True
+        except Exception:
+            return False
+        return False
 
     async def _flow_state(self) -> State | None:
         return (await self.worker.client.read_flow_run(self.run_id)).state
@@ -735,6 +761,10 @@ class JobLife:
         for pause in (*CLOSE_RETRY_SECONDS, None):
             try:
                 await self.report.close(self.meter, self.job_name, ending.event if ending else None, outputs)
+                return True
+            except ObjectNotFound:
+                # A 404 is no outage: the run was deleted, and the ledger would keep its meter for nobody.
+                self.log.warning("The meter is not recorded in Prefect: %s", GONE)
                 return True
             except Exception as exc:
                 if pause is None:
