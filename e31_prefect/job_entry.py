@@ -1,16 +1,24 @@
-"""A job's entry point: Prefect's own engine for the flow run, which also says when the work is done.
+"""A job's entry point: Prefect's own engine for the flow run, loaded before its devices are handed over.
 
     python -m e31_prefect.job_entry          # the process runtime
     python /e31/bin/job_entry.py             # a container: mounted read-only, so any image with Prefect runs it
 
-It runs ``prefect.engine`` exactly as ``python -m prefect.engine`` does, with one
-addition: just before the engine reports the flow run's final state to the
-Prefect API, it writes to the pipe named by ``E31_WORK_ENDED``. The run's
+Loading Prefect and its engine takes seconds. The entry does it first, with no
+device visible, says ``ready`` on the pipe named by ``E31_WORK_ENDED`` and waits
+on the pipe named by ``E31_HAND_OVER``; the worker rents the run's devices only
+then, and its supervisor hands them over there (``CUDA_VISIBLE_DEVICES`` and the
+other device variables, set here before any of the job's own code or the flow's
+module is imported). The meter starts at the hand-over, so no team pays for
+Prefect's start-up.
+
+Then it runs ``prefect.engine`` exactly as ``python -m prefect.engine`` does, with
+one addition: just before the engine reports the flow run's final state to the
+Prefect API, it writes the outcome to the ``E31_WORK_ENDED`` pipe. The run's
 supervisor stops the meter there, so time the engine then spends reaching an
 API that is down is billed to nobody.
 
-A sharded command's shards start here, before Prefect is imported, where the
-worker said what they run (:func:`start_shards`).
+A sharded command's shards start at the hand-over, before the engine loads the
+flow, where the worker said what they run (:func:`start_shards`).
 
 Only the standard library and Prefect (e31's shard runner where it is
 installed): this file must run in images that do not have e31-prefect installed.
@@ -19,6 +27,8 @@ installed): this file must run in images that do not have e31-prefect installed.
 from __future__ import annotations
 
 import contextlib
+import importlib
+import json
 import os
 import runpy
 import socket
@@ -29,26 +39,62 @@ import urllib.request
 from typing import Any
 
 WORK_ENDED_VARIABLE = "E31_WORK_ENDED"
+HAND_OVER_VARIABLE = "E31_HAND_OVER"  # the pipe the supervisor hands the run's devices over on
 SHARDS_VARIABLE = "E31_SHARDS"  # a sharded job's settings (e31_prefect.shards)
 API_SOCKET_VARIABLE = "E31_API_SOCKET"  # the run's gateway to the Prefect API (see e31_prefect.gateway)
+READY = "ready"  # the entry's first word to its supervisor: Prefect is loaded, hand the devices over
+# What Prefect's engine imports to run a flow run, loaded before the hand-over (none of it is the job's code):
+# found by listing the modules first imported after the hand-over of a run of the README's example.
+ENGINE_MODULES = ("prefect.engine", "prefect.flow_engine", "prefect._internal.metrics", "prefect.flows",
+                  "prefect.deployments.steps.core", "prefect.client.orchestration", "prefect.results",
+                  "prefect.task_engine", "prefect.logging.handlers", "prefect.utilities.visualization",
+                  "pydantic.v1", "anyio._backends._asyncio", "rich._emoji_codes", "e31_prefect")
 _pipe: list[str] = []  # where to say it; taken out of the environment, so the flow's own code never sees it
 
 
-def say_work_ended(outcome: str) -> None:
-    """Tell the supervisor the work is done (once; no supervisor listening is fine)."""
+def say(word: str) -> None:
+    """One word to the supervisor on the work-ended pipe (no supervisor listening is fine)."""
     if not _pipe:
         return
-    path = _pipe.pop()
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+        fd = os.open(_pipe[0], os.O_WRONLY | os.O_NONBLOCK)
     except OSError:
         return
     try:
-        os.write(fd, f"{outcome}\n".encode())
+        os.write(fd, f"{word}\n".encode())
     except OSError:
         pass
     finally:
         os.close(fd)
+
+
+def say_work_ended(outcome: str) -> None:
+    """Tell the supervisor the work is done (once)."""
+    if _pipe:
+        say(outcome)
+        _pipe.clear()
+
+
+def prepare_engine() -> None:
+    """Import what Prefect's engine needs to run a flow run (the seconds of a job's start-up), before the rent."""
+    for name in ENGINE_MODULES:
+        with contextlib.suppress(ImportError):  # another Prefect release may have moved one: loaded later then
+            importlib.import_module(name)
+
+
+def wait_for_hand_over(path: str) -> None:
+    """Say ``ready``, then wait for the run's devices; their variables are set in this process's environment.
+
+    The supervisor holds the pipe open from before this process starts, so opening it never waits, and
+    a supervisor that dies leaves an end of file here: the entry then ends, having run nothing.
+    """
+    with open(path, "rb") as gate:
+        say(READY)
+        line = gate.readline()
+    if not line:
+        raise SystemExit("e31: the run's supervisor ended before handing over its devices; nothing ran")
+    for name, value in json.loads(line)["env"].items():
+        os.environ[name] = value
 
 
 def is_last_state(engine: Any, state: Any) -> bool:
@@ -166,12 +212,16 @@ def main() -> None:
     path = os.environ.pop(WORK_ENDED_VARIABLE, None)
     if path:
         _pipe.append(path)
+    hand_over = os.environ.pop(HAND_OVER_VARIABLE, None)
     api_socket = os.environ.pop(API_SOCKET_VARIABLE, None)
     if api_socket:
         os.environ["PREFECT_API_URL"] = forward_api(api_socket)
-    start_shards()
-    wait_for_api(os.environ.get("PREFECT_API_URL"))
+    prepare_engine()
     _say_before_reporting()
+    wait_for_api(os.environ.get("PREFECT_API_URL"))
+    if hand_over:
+        wait_for_hand_over(hand_over)
+    start_shards()
     runpy.run_module("prefect.engine", run_name="__main__", alter_sys=True)
 
 

@@ -75,7 +75,7 @@ class Spec:
 
     run_id: str
     runtime: str  # "process" or "container"
-    stop_at: str | None  # the time limit, absolute (UTC)
+    stop_at: str | None  # the time limit, absolute (UTC): given at the hand-over (None until then)
     grace_seconds: float = 10.0  # from SIGTERM (or docker stop) to SIGKILL
     report_grace_seconds: float = 60.0  # how long a job that reported its end may take to report it to Prefect
     argv: list[str] = field(default_factory=list)
@@ -86,7 +86,7 @@ class Spec:
     container_label: str | None = None  # label=value naming the run's container, if the worker never names it
     cgroups: bool = True  # False: the work's processes are found as the supervisor's descendants only
     container_logs: bool = False  # copy the container's output into the run's output log
-    rented: str | None = None  # when the devices were rented: the meter's start, for the accounting line
+    rented: str | None = None  # when the devices were rented (given at the hand-over): for the accounting line
     accounting: str | None = None  # the host's accounting file, where the supervisor appends the run's line
     api_upstream: str | None = None  # the Prefect API the run's gateway forwards the job's own calls to
     api_key: str | None = None  # the worker's credentials for it: an API key, or a server's auth string
@@ -115,7 +115,8 @@ class Record:
     limits: dict[str, bool] = field(default_factory=dict)  # which request limits the host enforced
     notes: list[str] = field(default_factory=list)
     infrastructure: str | None = None  # the work's pid, or its container id
-    started: str | None = None
+    ready: str | None = None  # the job's process loaded Prefect and waits for its devices (not billed)
+    started: str | None = None  # the devices were handed to the work: it runs the job's own code from here
     work_ended: str | None = None  # the job reported its work done (before reporting to Prefect)
     stop_reason: str | None = None  # "time-limit", "stop-requested", "report-overdue"
     stop_requested: str | None = None
@@ -199,6 +200,7 @@ class RunFolder:
     spec_file = property(lambda self: self.path / "spec.json")
     record_file = property(lambda self: self.path / "record.json")
     work_ended_pipe = property(lambda self: self.path / "work-ended")
+    hand_over_pipe = property(lambda self: self.path / "hand-over")
     supervisor_log = property(lambda self: self.path / "supervisor.log")
     output_log = property(lambda self: self.path / "output.log")
     api_socket = property(lambda self: self.path / "api.sock")

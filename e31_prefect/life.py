@@ -1,4 +1,5 @@
-"""The life of one E31 job on this host, as named steps: admit, stage, rent, run, judge, send, release.
+"""The life of one E31 job on this host, as named steps: admit, stage, prepare, rent, hand over, run, judge,
+send, release.
 
 ``E31Worker.run`` lives a job it took; ``E31Worker`` adopts a job whose worker
 died (:meth:`JobLife.adopt`): its supervisor kept it bounded meanwhile, and the
@@ -11,6 +12,11 @@ is entered on one exit stack, so the order of release is written once; the
 ledger folder lives until the meter is closed. When the worker itself is told
 to stop, a life that rented leaves its work to the supervisor and its folder
 to the next worker; one that had not rented yet hands its run back to the pool.
+
+The work is prepared before the rent where its runtime allows: its process (or
+container) loads Prefect with no device visible and waits; the devices are
+rented then and handed over, and the meter starts at the hand-over. No team
+pays for Prefect's start-up, and no device waits on it.
 """
 
 from __future__ import annotations
@@ -56,7 +62,7 @@ from e31_prefect.job import Job, JobError
 from e31_prefect.ledger import Holding, Record, RunFolder, now, output_tail, this_process
 from e31_prefect.meter import Meter, work_end
 from e31_prefect.output_bounds import OutputBounds
-from e31_prefect.runtimes import Placement, Runtime, runtime_for
+from e31_prefect.runtimes import Placement, Runtime, hand_over_environment, runtime_for
 from e31_prefect.staging import (
     StagingError,
     UploadError,
@@ -71,6 +77,7 @@ if TYPE_CHECKING:
     from e31_prefect.worker import E31JobConfiguration, E31Worker
 
 QUOTA_RETRY = timedelta(seconds=15)
+READY_SECONDS = 300.0  # how long a job's process may take to load Prefect before it is ended, unbilled
 CLOSE_RETRY_SECONDS = (1, 2, 5, 10, 30)  # the meter is recorded in Prefect once the API answers again
 GONE = ("the flow run is gone from Prefect (deleted while this worker had it); its devices, ledger entry and "
         "workspace are released, and nothing more of it is recorded")
@@ -88,6 +95,13 @@ class Ends(Exception):
     def __init__(self, ending: Ending):
         super().__init__(ending.message)
         self.ending = ending
+
+
+@dataclasses.dataclass(frozen=True)
+class Rental:
+    """The devices rented for a run (its quota slots are the life's lease)."""
+
+    devices: list[Device]
 
 
 def judge(record: Record | None, flow_state: State | None, died: Ending, job: Job, tail: str = "") -> Ending | None:
@@ -148,6 +162,8 @@ def meter_from(holding: Holding, record: Record | None, grace_seconds: float) ->
     meter = Meter(gpus=holding.gpus, team=holding.team, devices=list(holding.devices))
     for step, at in holding.marks_as_datetimes().items():
         meter.mark(step, at)
+    if record is not None and record.ready:
+        meter.mark("ready", datetime.fromisoformat(record.ready))
     if record is not None and record.started:
         meter.mark("running", datetime.fromisoformat(record.started))
     if record is not None and record.ended:
@@ -244,8 +260,13 @@ class JobLife:
         async with self.output_disk():
             await self.stage(job)
             async with AsyncExitStack() as held:
-                placement = await held.enter_async_context(self.rent(job, runtime))
-                supervisor = await self.start_work(placement, runtime)
+                if runtime.starts_before_rent(job):
+                    supervisor = await held.enter_async_context(self.prepare(job, runtime, []))
+                    rental = await held.enter_async_context(self.rent(job, runtime))
+                else:  # its devices are given as it is created (a GPU device request): rented first
+                    rental = await held.enter_async_context(self.rent(job, runtime))
+                    supervisor = await held.enter_async_context(self.prepare(job, runtime, rental.devices))
+                await self.hand_over(job, supervisor, rental)
                 await held.enter_async_context(self.watching(supervisor))
                 record = await supervisor.wait()
             runtime.ended()
@@ -369,8 +390,9 @@ class JobLife:
     # -- rent -------------------------------------------------------------------------------------
 
     @asynccontextmanager
-    async def rent(self, job: Job, runtime: Runtime) -> AsyncIterator[Placement]:
-        """Hold the job's devices and quota slots, and write its ledger entry: the meter starts.
+    async def rent(self, job: Job, runtime: Runtime) -> AsyncIterator[Rental]:
+        """Hold the job's devices and quota slots, and write its ledger entry (the meter starts at the
+        hand-over, a moment later where the work was prepared first).
 
         On leaving, the devices and slots go back (the devices are free on the host once the
         supervisor, which holds their locks too, has ended). A worker that is stopping keeps the
@@ -388,17 +410,9 @@ class JobLife:
             self.lease = await self._acquire(job, len(devices))
             self.devices = devices
             self.meter.devices = [d.index for d in devices]
-            self.meter.mark("rented", now())
-            self.report.step("rented", devices, gpus=len(devices), devices=[d.index for d in devices])
-            deadline = timing.resolve_deadline(job.request.deadline, scheduled_start(self.flow_run), job.tz)
-            stop_at = timing.stop_at(now(), job.request.time_limit, deadline)
-            if stop_at is not None:
-                self.worker.holds_until[self.run_id] = stop_at
             self.worker.rented(self.run_id, now())
-            self._write_holding(job, runtime, stop_at)
-            assert self.configuration is not None
-            yield Placement(str(self.run_id), job, devices, self.workspace, self.folder, stop_at,
-                            self.meter.marks["rented"], self.configuration, self.worker.settings)
+            self._write_holding(job, runtime, None)
+            yield Rental(devices)
         except anyio.get_cancelled_exc_class():
             self._detached = True  # the worker is stopping: the lease stays for the worker that adopts the run
             raise
@@ -454,24 +468,59 @@ class JobLife:
 
     # -- run --------------------------------------------------------------------------------------
 
-    async def start_work(self, placement: Placement, runtime: Runtime) -> Supervisor:
-        """Start the run's supervisor with the devices' locks; it starts the work (a container through
-        the runtime) and owns it from then on."""
+    @asynccontextmanager
+    async def prepare(self, job: Job, runtime: Runtime, devices: list[Device]) -> AsyncIterator[Supervisor]:
+        """Start the run's supervisor and its work (a container through the runtime), which loads Prefect
+        and waits to be handed its devices. Leaving before the hand-over ends the work, unbilled."""
+        assert self.configuration is not None
+        placement = Placement(str(self.run_id), job, devices, self.workspace, self.folder, self.configuration,
+                              self.worker.settings)
         spec = runtime.spec(placement)
         if self.bounds is not None and not os.path.ismount(placement.output_dir):
             # No disk of its own: its supervisor counts the output dir, whether or not this worker lives.
             spec.output_dir, spec.output_max_entries = str(placement.output_dir), self.bounds.max_files
             spec.output_max_bytes = self.bounds.disk_bytes
-        supervisor = await Supervisor.start(self.folder, spec, self.worker.inventory.lock_files(self.run_id))
+        supervisor = await Supervisor.start(self.folder, spec)
         try:
-            await runtime.start(placement, supervisor)
-        except Exception as exc:
-            self.log.error("The work could not be started: %s: %s", type(exc).__name__, exc)
-            self.start_error = f"{type(exc).__name__}: {exc}"  # the run's state quotes it (the engine's error)
+            try:
+                await runtime.start(placement, supervisor)
+            except Exception as exc:
+                self.log.error("The work could not be started: %s: %s", type(exc).__name__, exc)
+                self.start_error = f"{type(exc).__name__}: {exc}"  # the run's state quotes it (the engine's error)
+            record: Record | None = None
+            with anyio.move_on_after(READY_SECONDS):
+                record = await supervisor.ready()
+            if record is None or record.finished:
+                why = (self.start_error or (record and record.message) or
+                       f"its process did not load Prefect within {READY_SECONDS:.0f} s")
+                raise Ends(endings.NOT_STARTED.saying(f"The work did not start: {why}. Nothing of the job ran; "
+                                                      "nothing was billed."))
+            self.meter.mark("ready", datetime.fromisoformat(record.ready or record.started or now().isoformat()))
+            yield supervisor
+        finally:
+            if supervisor.control is not None:  # never handed over: its supervisor ends the work as it waits
+                supervisor.let_go()
+                with anyio.CancelScope(shield=True), anyio.move_on_after(30):
+                    await supervisor.wait()
+
+    async def hand_over(self, job: Job, supervisor: Supervisor, rental: Rental) -> None:
+        """Hand the rented devices to the waiting work: the meter starts, the time limit counts from here,
+        and its supervisor holds the devices whatever becomes of this worker."""
+        self.meter.mark("rented", now())
+        deadline = timing.resolve_deadline(job.request.deadline, scheduled_start(self.flow_run), job.tz)
+        stop_at = timing.stop_at(now(), job.request.time_limit, deadline)
+        if stop_at is not None:
+            self.worker.holds_until[self.run_id] = stop_at
+        assert self.holding is not None
+        self.holding.stop_at = stop_at.isoformat() if stop_at else None
+        self._save()  # before the hand-over: a worker that dies next leaves a run its adopter resumes
+        supervisor.hand_over(hand_over_environment(rental.devices), stop_at, self.meter.marks["rented"],
+                             self.worker.inventory.lock_files(self.run_id))
+        self.report.step("rented", rental.devices, gpus=len(rental.devices),
+                         devices=[d.index for d in rental.devices])
         record = await supervisor.started()
         if record.started:
             self._on_started(record)
-        return supervisor
 
     def _on_started(self, record: Record) -> None:
         self.infrastructure = record.infrastructure
@@ -807,7 +856,9 @@ class JobLife:
             life.bounds = OutputBounds(**holding.output_bounds) if holding.output_bounds else None
         life.meter = meter_from(holding, folder.record(), worker.settings.stop_grace_seconds)
         life.log.warning("Adopting this run, left by a worker that is gone (pid %s)", holding.worker_pid)
-        if folder.spec() is None:
+        if "rented" not in holding.marks:  # never handed its devices: its supervisor, if any, ends the work
+            with anyio.move_on_after(60):
+                await Supervisor(folder).wait()
             ending = await life._never_started()
         else:
             ending = await life._resume(folder, Job.model_validate(holding.job))
@@ -818,7 +869,8 @@ class JobLife:
         return ending
 
     async def _never_started(self) -> Ending | None:
-        """Taken (perhaps rented), never started: nothing ran. The run goes back to the pool."""
+        """Taken (perhaps rented), never handed its devices: nothing of the job ran. The run goes back to the
+        pool."""
         state = await self._flow_state()
         if state is not None and state.is_final():
             return None

@@ -10,12 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-STEPS = ("submitted", "picked", "staged", "rented", "running", "run_ended", "output", "released")
+STEPS = ("submitted", "picked", "staged", "ready", "rented", "running", "run_ended", "output", "released")
 STEP_MEANING = {
     "submitted": "scheduled start of the flow run",
     "picked": "an e31 worker took the run",
     "staged": "inputs copied into the workspace",
-    "rented": "devices held: the meter starts",
+    "ready": "the job's process loaded Prefect, waiting for its devices (not billed)",
+    "rented": "devices handed to the work: the meter starts",
     "running": "the work started",
     "run_ended": "the work ended and the devices went back: the meter stops",
     "output": "outputs sent to their destination",

@@ -1,19 +1,24 @@
-"""The worker's side of a run's supervisor: start it with the run's device locks, stop it, wait for it.
+"""The worker's side of a run's supervisor: start it, hand it the run's devices, stop it, wait for it.
 
-The supervisor (:mod:`e31_prefect.supervisor`) runs in a session of its own and
-outlives the worker; a worker that adopts a dead worker's run reaches its
-supervisor by pid, as the ledger names it.
+The supervisor (:mod:`e31_prefect.supervisor`) runs in a session of its own.
+The worker speaks to it on a control socket (the supervisor's stdin): the
+container it started, then the hand-over of the rented devices with their lock
+files. From the hand-over on it outlives the worker; a worker that adopts a
+dead worker's run reaches its supervisor by pid, as the ledger names it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import socket
 import sys
 from collections.abc import Sequence
+from datetime import datetime
+from typing import Any
 
 from e31_prefect.ledger import Record, RunFolder, Spec, same_process
 
@@ -25,6 +30,13 @@ def make_work_ended_pipe(folder: RunFolder) -> None:
     with contextlib.suppress(FileExistsError):
         os.mkfifo(folder.work_ended_pipe, 0o622)
     os.chmod(folder.work_ended_pipe, 0o622)  # the job may run as another user; it only writes
+
+
+def make_hand_over_pipe(folder: RunFolder) -> None:
+    """The pipe the supervisor hands the devices over on; the job may run as another user, and only reads."""
+    with contextlib.suppress(FileExistsError):
+        os.mkfifo(folder.hand_over_pipe, 0o644)
+    os.chmod(folder.hand_over_pipe, 0o644)
 
 
 def make_api_socket(folder: RunFolder) -> socket.socket:
@@ -50,29 +62,34 @@ class SupervisorGone(RuntimeError):
 class Supervisor:
     """One run's supervisor, started here or adopted from the ledger."""
 
-    def __init__(self, folder: RunFolder, process: asyncio.subprocess.Process | None = None):
+    def __init__(self, folder: RunFolder, process: asyncio.subprocess.Process | None = None,
+                 control: socket.socket | None = None):
         self.folder = folder
         self.process = process
+        self.control = control  # the worker's end of the control socket, until the hand-over
 
     @classmethod
-    async def start(cls, folder: RunFolder, spec: Spec, lock_files: Sequence[int]) -> Supervisor:
-        """Write the spec and start the supervisor, handing it the open lock files of the run's devices
-        and the listening socket of the run's API gateway (made here, so it exists before a container
-        that mounts it is created)."""
+    async def start(cls, folder: RunFolder, spec: Spec) -> Supervisor:
+        """Write the spec and start the supervisor with its control socket and the listening socket of the
+        run's API gateway (made here, so it exists before a container that mounts it is created)."""
         make_work_ended_pipe(folder)
+        make_hand_over_pipe(folder)
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         with contextlib.ExitStack() as held:
+            held.enter_context(theirs)
+            passed: tuple[int, ...] = ()
             if spec.api_upstream:
                 listening = held.enter_context(make_api_socket(folder))
                 spec.api_socket_fd = listening.fileno()
-                lock_files = (*lock_files, listening.fileno())
+                passed = (listening.fileno(),)
             folder.write_spec(spec)
             with open(folder.supervisor_log, "ab") as log:
                 process = await asyncio.create_subprocess_exec(
                     sys.executable, "-m", "e31_prefect.supervisor", str(folder.path),
-                    stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.DEVNULL, stderr=log,
+                    stdin=theirs, stdout=asyncio.subprocess.DEVNULL, stderr=log,
                     start_new_session=True,  # a signal to the worker's group (Ctrl-C, a service stop) is not its
-                    pass_fds=tuple(lock_files), cwd="/")
-        return cls(folder, process)
+                    pass_fds=passed, cwd="/")
+        return cls(folder, process, ours)
 
     @property
     def pid(self) -> int | None:
@@ -89,25 +106,46 @@ class Supervisor:
         record = self.folder.record()
         return record is not None and same_process(record.supervisor_pid, record.supervisor_started)
 
-    async def name_container(self, container_id: str | None) -> None:
-        """Tell a container run's supervisor which container to watch (None: none was started)."""
-        if self.process is None or self.process.stdin is None:
+    def _say(self, message: dict[str, Any], files: Sequence[int] = ()) -> None:
+        if self.control is None:
             return
-        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-            if container_id:
-                self.process.stdin.write(f"{container_id}\n".encode())
-                await self.process.stdin.drain()
-            self.process.stdin.close()
+        with contextlib.suppress(OSError):  # a supervisor that is gone hears nothing; its record says why
+            socket.send_fds(self.control, [json.dumps(message).encode() + b"\n"], list(files))
+
+    def name_container(self, container_id: str | None) -> None:
+        """Tell a container run's supervisor which container to watch (None: none was started)."""
+        self._say({"container": container_id})
+
+    def hand_over(self, env: dict[str, str], stop_at: datetime | None, rented: datetime,
+                  lock_files: Sequence[int]) -> None:
+        """Hand the rented devices to the work: their variables, the time limit, and their lock files (the
+        supervisor holds the devices from now on, whatever becomes of this worker)."""
+        self._say({"hand_over": {"env": env, "stop_at": stop_at.isoformat() if stop_at else None,
+                                 "rented": rented.isoformat()}}, lock_files)
+        self.let_go()
+
+    def let_go(self) -> None:
+        """Close the control socket: a supervisor not handed its devices yet ends its work, unbilled."""
+        if self.control is not None:
+            self.control.close()
+            self.control = None
+
+    async def ready(self) -> Record:
+        """The record once the work waits for its devices, or ended before."""
+        return await self._record_when(lambda record: bool(record.ready or record.started or record.finished))
 
     async def started(self) -> Record:
-        """The record once the work started, or ended without starting."""
+        """The record once the work was handed its devices, or ended without them."""
+        return await self._record_when(lambda record: bool(record.started or record.finished))
+
+    async def _record_when(self, reached: Any) -> Record:
         while True:
             record = self.folder.record()
-            if record is not None and (record.started or record.finished):
+            if record is not None and reached(record):
                 return record
             if not self.alive():
                 record = self.folder.record()
-                if record is not None and (record.started or record.finished):
+                if record is not None and reached(record):
                     return record
                 raise SupervisorGone(f"the run's supervisor ended before starting the work; see "
                                      f"{self.folder.supervisor_log}")

@@ -2,15 +2,22 @@
 
     python -m e31_prefect.supervisor $E31_HOME/ledger/<flow run id>
 
-The worker starts one supervisor per run, in a session of its own, right after
-renting. The supervisor outlives the worker: it starts the work (a process in
-the run's cgroup, or a container the worker created and names on stdin),
-enforces the time limit whether or not the worker lives, stops the work when
-asked (SIGTERM: the run was cancelled), kills every process of the work at the
-end (``setsid`` daemons too), and records durably in the ledger when the work
-started, when it said its work was done, when it ended and how. It holds the
-run's device locks (inherited from the worker), so the devices stay rented
-exactly as long as the work can use them.
+The worker starts one supervisor per run, in a session of its own, before
+renting. The supervisor starts the work (a process in the run's cgroup, or a
+container the worker created and names on its control socket, stdin), which
+loads Prefect with no device and says ``ready``. The worker then rents and
+hands the devices over on the control socket (their variables, the time limit,
+their lock files); the supervisor passes the variables to the waiting work:
+the meter starts there. A work that dies while it waits, a cancel, or a worker
+that goes before handing anything over ends the work unbilled ("not-started").
+
+From the hand-over on the supervisor outlives the worker: it enforces the time
+limit whether or not the worker lives, stops the work when asked (SIGTERM: the
+run was cancelled), kills every process of the work at the end (``setsid``
+daemons too), and records durably in the ledger when the work started, when it
+said its work was done, when it ended and how. It holds the run's device locks
+(handed over by the worker), so the devices stay rented exactly as long as the
+work can use them.
 
 The job's own entry (:mod:`e31_prefect.job_entry`) writes to the ``work-ended``
 pipe when the flow's function returns, before the engine reports to the
@@ -25,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
 import selectors
 import signal
@@ -40,6 +48,7 @@ from typing import Any, Protocol
 
 from e31_prefect import cgroups, fdtree, job_users, leftovers, sandbox
 from e31_prefect.gateway import Gateway, auth_header
+from e31_prefect.job_entry import READY
 from e31_prefect.ledger import Record, RunFolder, Spec, append_line, moment, now, this_process
 
 PR_SET_CHILD_SUBREAPER = 36
@@ -336,12 +345,59 @@ def reap(but: int | None = None) -> None:
             os.waitpid(info.si_pid, 0)
 
 
+class Control:
+    """The worker's messages on the supervisor's stdin, a Unix socket: one JSON object a line, the lock files
+    of the run's devices passed with the hand-over. An end of file: the worker is gone (or let the run go)."""
+
+    def __init__(self, sock: socket.socket | None):
+        self.sock = sock
+        self.buffer = b""
+        self.closed = sock is None
+        self.lock_files: list[int] = []  # kept open until the supervisor exits: the devices stay rented
+
+    def fileno(self) -> int:
+        assert self.sock is not None
+        return self.sock.fileno()
+
+    def read(self) -> list[dict[str, Any]]:
+        """The messages that arrived (call when readable: it waits for one read otherwise)."""
+        if self.sock is None or self.closed:
+            return []
+        try:
+            data, fds, _, _ = socket.recv_fds(self.sock, 65536, 64)
+        except OSError:
+            data, fds = b"", []
+        for fd in fds:
+            os.set_inheritable(fd, False)
+        self.lock_files += fds
+        if not data:
+            self.closed = True
+        self.buffer += data
+        *lines, self.buffer = self.buffer.split(b"\n")
+        messages = []
+        for line in lines:
+            with contextlib.suppress(ValueError):
+                message = json.loads(line)
+                if isinstance(message, dict):
+                    messages.append(message)
+        return messages
+
+    def first(self) -> dict[str, Any] | None:
+        """The first message (waiting for it), or None at an end of file."""
+        while not self.closed:
+            messages = self.read()
+            if messages:
+                return messages[0]
+        return None
+
+
 class Supervisor:
     """Runs one run's work to its end and records it; see the module's docstring."""
 
     def __init__(self, folder: RunFolder, spec: Spec, work: Work, record: Record, stop: threading.Event,
-                 wake: int):
+                 wake: int, control: Control | None = None):
         self.folder = folder
+        self.control = control or Control(None)
         self.spec = spec
         self.work = work
         self.record = record
@@ -358,8 +414,9 @@ class Supervisor:
         self.folder.write_record(self.record)
 
     def run(self) -> int:
-        """Start the work, bound it, record its end. Returns the supervisor's exit status (0)."""
+        """Start the work, hand it its devices, bound it, record its end. Returns the exit status (0)."""
         pipe = _open_pipe(self.folder.work_ended_pipe)
+        gate = _open_gate(self.folder.hand_over_pipe)
         try:
             infrastructure = self.work.start()
         except Exception as exc:
@@ -370,11 +427,14 @@ class Supervisor:
             self.record.message = self.record.message or "the work never started"
             self.save()
             return 0
-        self.record.infrastructure, self.record.started = infrastructure, now().isoformat()
+        self.record.infrastructure = infrastructure
         self.save()
         # Served only once the work is started: a thread must not run while the work's process forks.
         gateway = _serve_gateway(self.spec, self.ending)
         try:
+            if not self._hand_over(pipe, gate):
+                self._never_handed_over()
+                return 0
             exit_ = self._supervise(pipe)
         except BaseException:
             # Whatever broke the watch (a job that used up the supervisor's descriptors, say), the work does
@@ -387,6 +447,62 @@ class Supervisor:
                 gateway.close()
         self._finish(exit_)
         return 0
+
+    def _hand_over(self, pipe: int, gate: int) -> bool:
+        """Until the work has both said it is ready and been handed its devices by the worker: then give it
+        their variables on the gate, and the meter starts. False: it died, was cancelled, or the worker went
+        first (the reason is in the record)."""
+        handed: dict[str, Any] | None = None
+        selector = selectors.DefaultSelector()
+        selector.register(self.work.fileno(), selectors.EVENT_READ, "work")
+        selector.register(pipe, selectors.EVENT_READ, "said")
+        selector.register(self.wake, selectors.EVENT_READ, "signal")
+        if self.control.closed:
+            self.record.message = "no worker to hand it its devices (the supervisor has no control socket)"
+            return False
+        selector.register(self.control, selectors.EVENT_READ, "control")
+        while True:
+            for key, _ in selector.select(KILL_RETRY_SECONDS):
+                if key.data == "said" and _words(pipe) and self.record.ready is None:
+                    self.record.ready = now().isoformat()  # the entry's first word is its ready
+                    self.save()
+                elif key.data == "control":
+                    for message in self.control.read():
+                        handed = message.get("hand_over", handed)
+                    if self.control.closed:
+                        if handed is None:
+                            self.record.message = "the worker handed over no devices (it stopped, or could not rent)"
+                            return False
+                        selector.unregister(self.control)
+                elif key.data == "signal":
+                    with contextlib.suppress(BlockingIOError):
+                        os.read(self.wake, 512)
+            if self.stop.is_set():
+                self.record.message = "cancelled before its devices were handed over"
+                return False
+            exit_ = self.work.ended()
+            if exit_ is not None:
+                self.record.exit_code = exit_.code
+                self.record.message = (f"the job's process ended (exit code {exit_.code}) before its devices "
+                                       "were handed over; its output log says why")
+                return False
+            if handed is not None and self.record.ready is not None:
+                break
+        with contextlib.suppress(OSError):  # a job that closed its end gets its variables nowhere: it ends
+            os.write(gate, json.dumps({"env": handed.get("env") or {}}).encode() + b"\n")
+        os.close(gate)
+        self.record.started = now().isoformat()
+        self.stop_at = moment(handed.get("stop_at"))
+        self.spec.rented = handed.get("rented")
+        self.save()
+        return True
+
+    def _never_handed_over(self) -> None:
+        """The work ends as it waited, unbilled: nothing of the job's own ran."""
+        self.work.kill()
+        self.work.clean_up()
+        self.record.ending, self.record.ended = "not-started", now().isoformat()
+        self.save()
 
     def _supervise(self, pipe: int) -> Exit:
         """Until the work ends: its end said, stop requests, the time limit."""
@@ -414,12 +530,8 @@ class Supervisor:
         return max(0.0, min(KILL_RETRY_SECONDS, (due - now()).total_seconds()))
 
     def _work_said_ended(self, pipe: int) -> bool:
-        """The job wrote to the work-ended pipe: the meter's end. True once it has said so."""
-        try:
-            said = os.read(pipe, 4096)
-        except BlockingIOError:
-            return False
-        if not said:
+        """The job wrote to the work-ended pipe (anything but its ready): the meter's end. True once it has."""
+        if not [word for word in _words(pipe) if word != READY]:
             return False
         self.record.work_ended = now().isoformat()
         self.report_by = now() + timedelta(seconds=self.spec.report_grace_seconds)
@@ -494,6 +606,23 @@ class Supervisor:
                                                          **asdict(self.record)})
 
 
+def _words(pipe: int) -> list[str]:
+    """What the job wrote to the work-ended pipe since the last read (its words, a line each)."""
+    try:
+        said = os.read(pipe, 4096)
+    except BlockingIOError:
+        return []
+    return said.decode(errors="replace").split() or []
+
+
+def _open_gate(path: Path) -> int:
+    """The hand-over pipe, open read-write so the job's open never waits and a supervisor that dies leaves
+    it an end of file. Only its supervisor writes it (the job reads)."""
+    with contextlib.suppress(FileExistsError):
+        os.mkfifo(path, 0o644)
+    return os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
+
+
 def _open_pipe(path: Path) -> int:
     """The work-ended pipe (the worker made it), open for reading; read-write so a writer closing it
     never reads as an end."""
@@ -534,10 +663,16 @@ def _become_subreaper() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
 
 
-def _container_names() -> list[str]:
-    """The container id the worker writes on stdin once it started it (none if the worker closed it first)."""
-    line = sys.stdin.readline().strip()
-    return [line] if line else []
+def _control() -> Control:
+    """The worker's control socket (stdin); none where stdin is no socket (a supervisor started by hand)."""
+    try:
+        sock = socket.socket(fileno=os.dup(0))
+    except OSError:
+        return Control(None)
+    if sock.family != socket.AF_UNIX:
+        sock.detach()
+        return Control(None)
+    return Control(sock)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -554,11 +689,13 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     wake = _signal_pipe(stop)  # before anything else: a cancel may come while the work starts
     _become_subreaper()
-    if spec.runtime == "container":
-        work: Work = ContainerWork(spec, _container_names(), log=folder.output_log)
+    control = _control()
+    if spec.runtime == "container":  # the worker names the container it started first (none: it started none)
+        named = (control.first() or {}).get("container")
+        work: Work = ContainerWork(spec, [named] if named else [], log=folder.output_log)
     else:
         work = ProcessWork(spec, folder, record)
-    return Supervisor(folder, spec, work, record, stop, wake).run()
+    return Supervisor(folder, spec, work, record, stop, wake, control).run()
 
 
 if __name__ == "__main__":

@@ -3,13 +3,16 @@
 A :class:`Runtime` is chosen once per run (:func:`runtime_for`): a job with
 ``work.image`` runs in a container, one without runs as a local process. Either
 way the run's supervisor owns the work; the runtime says what it runs.
+
+The work starts before the rent where it can (:meth:`Runtime.starts_before_rent`):
+it loads Prefect with no device visible and is handed its devices' variables
+(:func:`hand_over_environment`) once they are rented.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path, PurePath
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -26,21 +29,21 @@ if TYPE_CHECKING:
     from e31_prefect.supervision import Supervisor
 
 WORK_ENDED_VARIABLE = "E31_WORK_ENDED"  # the pipe the job's entry writes to when its work is done
+HAND_OVER_VARIABLE = "E31_HAND_OVER"  # the pipe the job's entry is handed its devices on
 API_SOCKET_VARIABLE = "E31_API_SOCKET"  # the run's gateway to the Prefect API (e31_prefect.gateway)
 DEFAULT_PIDS_LIMIT = 4096
 
 
 @dataclass(frozen=True)
 class Placement:
-    """One run's work as placed on this host: its job, devices, workspace, ledger folder and time limit."""
+    """One run's work as placed on this host: its job, workspace and ledger folder, and the devices it is
+    started with (none where it starts before the rent and is handed them: :func:`hand_over_environment`)."""
 
     run_id: str
     job: Job
     devices: list[Device]
     workspace: Path
     folder: RunFolder
-    stop_at: datetime | None
-    rented: datetime
     configuration: Any  # the run's E31JobConfiguration: Prefect's environment and labels, the job's folder
     settings: E31Settings
 
@@ -62,12 +65,11 @@ class Placement:
         return Spec(run_id=self.run_id, runtime=runtime,
                     api_upstream=str(api.url) if api.url else None,
                     api_key=_secret(api.key), api_auth_string=_secret(api.auth_string),
-                    stop_at=self.stop_at.isoformat() if self.stop_at else None,
+                    stop_at=None,  # the time limit counts from the hand-over
                     grace_seconds=self.settings.stop_grace_seconds,
                     report_grace_seconds=self.settings.report_grace_seconds,
                     memory_bytes=self.job.request.memory_bytes, pids_limit=DEFAULT_PIDS_LIMIT,
-                    cgroups=self.settings.cgroups, rented=self.rented.isoformat(),
-                    accounting=str(self.settings.accounting), **fields)
+                    cgroups=self.settings.cgroups, accounting=str(self.settings.accounting), **fields)
 
 
 def _secret(value: Any) -> str | None:
@@ -83,11 +85,15 @@ class Runtime(Protocol):
     async def check(self) -> str | None:
         """Before renting: a reason this host cannot run the job (None: it can)."""
 
+    def starts_before_rent(self, job: Job) -> bool:
+        """Whether the job's work can start (and load Prefect) before its devices are rented, to be handed
+        them; else it is started with them, after the rent, and waits for the hand-over all the same."""
+
     def spec(self, placement: Placement) -> Spec:
         """What the supervisor runs."""
 
     async def start(self, placement: Placement, supervisor: Supervisor) -> None:
-        """Once the supervisor runs: anything the work needs started for it (a container)."""
+        """Once the supervisor runs: anything the work needs started for it (a container, named to it)."""
 
     def ended(self) -> None:
         """Once the work ended: anything to say of it (a container's ``exited`` event)."""
@@ -114,7 +120,8 @@ WITHHELD_PREFECT = ("PREFECT_API_KEY", "PREFECT_API_AUTH_STRING", "PREFECT_API_U
 # What e31 itself sets for every run, after any environment a job variable gives: the rented devices, the
 # job's dirs, its shards and its ends of the supervisor's pipe and gateway.
 SET_FOR_THE_RUN = ("CUDA_DEVICE_ORDER", "CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", DATA_DIR_VARIABLE,
-                   OUTPUT_DIR_VARIABLE, SHARDS_VARIABLE, WORK_ENDED_VARIABLE, API_SOCKET_VARIABLE)
+                   OUTPUT_DIR_VARIABLE, SHARDS_VARIABLE, WORK_ENDED_VARIABLE, API_SOCKET_VARIABLE,
+                   HAND_OVER_VARIABLE)
 
 
 def env_problems(env: dict[str, Any]) -> list[Problem]:
@@ -146,9 +153,15 @@ def prefect_environment(env: dict[str, str | None]) -> dict[str, str]:
     return {k: v for k, v in env.items() if v is not None and not k.startswith(WITHHELD_PREFECT)}
 
 
+def hand_over_environment(devices: Sequence[Device]) -> dict[str, str]:
+    """The variables a job's entry is handed with its devices, set before any of the job's code is imported."""
+    return visible_devices_env(devices)
+
+
 def job_environment(job: Job, devices: Sequence[Device], data_dir: PurePath | str, output_dir: PurePath | str,
                     shards_start: tuple[list[str], str] | None = None) -> dict[str, str]:
-    """What every runtime adds for a job: its own variables, then its devices and dirs.
+    """What every runtime adds for a job: its own variables, then its devices (none until the hand-over,
+    where it starts before the rent) and dirs.
 
     The devices and dirs come last so a job cannot widen its own view of the host; the result
     settings come first so a job may choose its own result storage. ``shards_start``: the command and

@@ -27,6 +27,7 @@ from e31_prefect.ledger import Spec
 from e31_prefect.runtimes import (
     API_SOCKET_VARIABLE,
     DEFAULT_PIDS_LIMIT,
+    HAND_OVER_VARIABLE,
     WORK_ENDED_VARIABLE,
     Placement,
     env_problems,
@@ -43,6 +44,7 @@ DATA_MOUNT = "/e31/data"
 OUTPUT_MOUNT = "/e31/output"
 ENTRY_MOUNT = "/e31/bin/job_entry.py"  # e31's job entry, mounted: any image with Prefect can run it
 WORK_ENDED_MOUNT = "/e31/control/work-ended"
+HAND_OVER_MOUNT = "/e31/control/hand-over"
 API_SOCKET_MOUNT = "/e31/control/api.sock"
 # The job's entry sets its own loopback URL for the gateway; a placeholder that is not a loopback
 # address keeps prefect-docker from adding a host-gateway entry a container with no network cannot use.
@@ -153,6 +155,7 @@ def container_environment(base: dict[str, str | None], job: Job, devices: Sequen
         "PREFECT_API_URL": GATEWAY_PLACEHOLDER_URL,
         **job_environment(job, devices, DATA_MOUNT, OUTPUT_MOUNT),
         WORK_ENDED_VARIABLE: WORK_ENDED_MOUNT,
+        HAND_OVER_VARIABLE: HAND_OVER_MOUNT,
         API_SOCKET_VARIABLE: API_SOCKET_MOUNT,
     }
 
@@ -174,16 +177,19 @@ def isolation(job: Job, devices: Sequence[Device], send_device_requests: bool,
 
 
 def mounts(data_dir: Path, output_dir: Path, code: Path | None, work_ended: Path | None = None,
-           api_socket: Path | None = None) -> list[str]:
+           api_socket: Path | None = None, hand_over: Path | None = None) -> list[str]:
     """Data read-only, output writable, the job's code read-only at its own path (its folder, or the
     project folder holding it and its flow), e31's job entry read-only, the pipe the job says its
-    work ended on, and its gateway to the Prefect API."""
+    work ended on (and its ready), the pipe it is handed its devices on, and its gateway to the
+    Prefect API."""
     volumes = [f"{data_dir}:{DATA_MOUNT}:ro", f"{output_dir}:{OUTPUT_MOUNT}:rw"]
     if code is not None:
         volumes.append(f"{code}:{code}:ro")
     volumes.append(f"{job_entry.__file__}:{ENTRY_MOUNT}:ro")
     if work_ended is not None:
         volumes.append(f"{work_ended}:{WORK_ENDED_MOUNT}:rw")
+    if hand_over is not None:
+        volumes.append(f"{hand_over}:{HAND_OVER_MOUNT}:ro")
     if api_socket is not None:
         volumes.append(f"{api_socket}:{API_SOCKET_MOUNT}:rw")
     return volumes
@@ -202,6 +208,7 @@ def prepare(
     allowed_volumes: Sequence[Path] = (),
     api_socket: Path | None = None,
     user: str = "",
+    hand_over: Path | None = None,
 ) -> DockerWorkerJobConfiguration:
     """A copy of the run's configuration that creates the E31 container for it.
 
@@ -213,7 +220,7 @@ def prepare(
     prepared.command = f"python {ENTRY_MOUNT}"
     prepared.env = container_environment(configuration.env, job, devices)
     extra = [read_only_volume(volume, allowed_volumes) for volume in configuration.volumes]
-    prepared.volumes = mounts(data_dir, output_dir, code or job_folder, work_ended, api_socket) + [
+    prepared.volumes = mounts(data_dir, output_dir, code or job_folder, work_ended, api_socket, hand_over) + [
         v for v in extra if v]
     # The job reaches Prefect through its gateway's socket; no network unless the pool's operator gave one.
     if not configuration.network_mode and not configuration.networks:
@@ -282,6 +289,11 @@ class ContainerRuntime:
         self.send_gpus = False
         self.events: ContainerEvents | None = None
 
+    def starts_before_rent(self, job: Job) -> bool:
+        # A GPU device request is made when the container is created: such a container starts once its
+        # devices are rented, and waits for the hand-over (the meter's start) like any other.
+        return not (self.send_gpus and job.request.gpus > 0)
+
     async def check(self) -> str | None:
         try:
             self.send_gpus = await asyncio.to_thread(self._engine_takes_device_requests)
@@ -310,14 +322,14 @@ class ContainerRuntime:
                            placement.output_dir, configuration._job_folder, self.send_gpus,
                            placement.folder.work_ended_pipe, configuration.code_mount(),
                            placement.settings.allowed_volumes, placement.folder.api_socket,
-                           placement.settings.container_user)
+                           placement.settings.container_user, placement.folder.hand_over_pipe)
         give_output_dir(placement.output_dir, placement.settings.container_user)
         try:
             container, created = await asyncio.to_thread(self.worker._create_and_start_container, prepared)
         except BaseException:
-            await supervisor.name_container(None)
+            supervisor.name_container(None)
             raise
-        await supervisor.name_container(container.id)
+        supervisor.name_container(container.id)
         self.events = ContainerEvents(self.worker, prepared, container, created)
         try:
             await asyncio.to_thread(container.reload)

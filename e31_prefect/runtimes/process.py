@@ -1,8 +1,9 @@
 """The process runtime: the flow run as a local process, in a session and cgroup of its own.
 
 Its supervisor starts ``python -m e31_prefect.job_entry`` (Prefect's engine,
-saying when the work is done) with exactly the rented devices visible, and
-kills every process of it at the end.
+saying when the work is done) before the rent, with no device visible; the
+entry is handed exactly the rented devices, and every process of it is killed
+at the end.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from e31_prefect import endings, job_users
 from e31_prefect.ledger import Spec
 from e31_prefect.runtimes import (
     API_SOCKET_VARIABLE,
+    HAND_OVER_VARIABLE,
     WORK_ENDED_VARIABLE,
     Placement,
     job_environment,
@@ -44,6 +46,9 @@ class ProcessRuntime:
         self.settings = settings
         self.configuration = configuration
         self.isolated = settings.job_users == "auto" and os.geteuid() == 0
+
+    def starts_before_rent(self, job: Any) -> bool:
+        return True  # its devices are only variables, set by its entry at the hand-over
 
     async def check(self) -> str | None:
         if not self.isolated:
@@ -118,4 +123,5 @@ def environment(placement: Placement, home: Path) -> dict[str, str]:
             **job_environment(placement.job, placement.devices, placement.data_dir, placement.output_dir,
                               placement.configuration.shards_start),
             WORK_ENDED_VARIABLE: str(placement.folder.work_ended_pipe),
+            HAND_OVER_VARIABLE: str(placement.folder.hand_over_pipe),
             API_SOCKET_VARIABLE: str(placement.folder.api_socket)}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -21,7 +22,7 @@ import pytest
 from e31_prefect import cgroups
 from e31_prefect.inventory import Device, Inventory
 from e31_prefect.ledger import Record, RunFolder, Spec, now, process_running
-from e31_prefect.supervision import make_work_ended_pipe
+from e31_prefect.supervision import Supervisor, make_hand_over_pipe, make_work_ended_pipe
 
 pytestmark = pytest.mark.integration
 
@@ -38,19 +39,33 @@ time.sleep(float(sys.argv[2]))
 """
 
 
-def start(folder: Path, script: str, *args: str, seconds: float | None = None, **spec: object) -> subprocess.Popen:
-    """A supervisor for ``script``, started as a worker starts one (its own session)."""
+# What e31's job entry does first: say it is ready, then wait to be handed its devices (e31_prefect.job_entry).
+GATE = ("import os\nfrom e31_prefect import job_entry\njob_entry._pipe.append(os.environ['E31_WORK_ENDED'])\n"
+        "job_entry.wait_for_hand_over(os.environ['E31_HAND_OVER'])\n")
+
+
+def start(folder: Path, script: str, *args: str, seconds: float | None = None, lock_files: tuple[int, ...] = (),
+          **spec: object) -> subprocess.Popen:
+    """A supervisor for ``script``, started as a worker starts one (its own session, its control socket),
+    and handed its devices at once (the time limit counts from there)."""
     folder.mkdir(parents=True, exist_ok=True)
     run = RunFolder(folder)
     run.write_spec(Spec(
-        run_id=folder.name, runtime="process",
-        stop_at=(now() + timedelta(seconds=seconds)).isoformat() if seconds else None,
-        argv=[sys.executable, "-c", textwrap.dedent(script), *args],
-        env={"PATH": os.environ["PATH"], "E31_WORK_ENDED": str(run.work_ended_pipe)},
+        run_id=folder.name, runtime="process", stop_at=None,
+        argv=[sys.executable, "-c", GATE + textwrap.dedent(script), *args],
+        env={"PATH": os.environ["PATH"], "E31_WORK_ENDED": str(run.work_ended_pipe),
+             "E31_HAND_OVER": str(run.hand_over_pipe)},
         cwd=str(folder), **{"grace_seconds": 1.0, **spec}))
     make_work_ended_pipe(run)
-    return subprocess.Popen([sys.executable, "-m", "e31_prefect.supervisor", str(folder)], start_new_session=True,
-                            stdin=subprocess.DEVNULL)
+    make_hand_over_pipe(run)
+    ours, theirs = socket.socketpair()
+    process = subprocess.Popen([sys.executable, "-m", "e31_prefect.supervisor", str(folder)],
+                               start_new_session=True, stdin=theirs)
+    theirs.close()
+    worker_side = Supervisor(run, None, ours)
+    worker_side.hand_over({"CUDA_VISIBLE_DEVICES": "0"}, now() + timedelta(seconds=seconds) if seconds else None,
+                          now(), lock_files)
+    return process
 
 
 def finished(folder: Path, supervisor: subprocess.Popen, timeout: float = 60) -> Record:
@@ -168,12 +183,7 @@ def test_the_devices_stay_rented_until_the_supervisor_ends(tmp_path):
     run = uuid4()
     assert worker.hold(run, worker.devices)
     folder = tmp_path / "run"
-    folder.mkdir()
-    RunFolder(folder).write_spec(Spec(run_id="run", runtime="process", stop_at=None,
-                                      argv=[sys.executable, "-c", "import time; time.sleep(2)"],
-                                      env={"PATH": os.environ["PATH"]}, cwd=str(folder)))
-    supervisor = subprocess.Popen([sys.executable, "-m", "e31_prefect.supervisor", str(folder)], start_new_session=True,
-                                  pass_fds=worker.lock_files(run))
+    supervisor = start(folder, "import time; time.sleep(2)", lock_files=tuple(worker.lock_files(run)))
     worker.give_back(run)  # the worker lets go at once (as a killed one would)
     assert other.free() == [], "GPU 0 could be rented again while its run's work still runs"
     finished(folder, supervisor)

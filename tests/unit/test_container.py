@@ -53,13 +53,14 @@ def test_prepared_container_mounts_data_read_only_and_hides_host_environment(tmp
         "PREFECT__FLOW_RUN_ID": "abc", "UNSET": None})
     prepared = container.prepare(base, job(gpus=2, memory="512m"), H100S, tmp_path / "data", tmp_path / "out",
                                  tmp_path, send_device_requests=False, work_ended=tmp_path / "work-ended",
-                                 api_socket=tmp_path / "api.sock")
+                                 api_socket=tmp_path / "api.sock", hand_over=tmp_path / "hand-over")
     assert prepared.image == "acme/trainer:1"
     assert prepared.command == "python /e31/bin/job_entry.py"  # Prefect's engine, saying when the work ends
     assert prepared.privileged is False and prepared.auto_remove is False
     assert prepared.volumes == [f"{tmp_path / 'data'}:/e31/data:ro", f"{tmp_path / 'out'}:/e31/output:rw",
                                 f"{tmp_path}:{tmp_path}:ro", f"{job_entry.__file__}:/e31/bin/job_entry.py:ro",
                                 f"{tmp_path / 'work-ended'}:/e31/control/work-ended:rw",
+                                f"{tmp_path / 'hand-over'}:/e31/control/hand-over:ro",
                                 f"{tmp_path / 'api.sock'}:/e31/control/api.sock:rw"]
     # No credential and no route to the real API: the job's entry serves its Prefect URL from the socket.
     assert prepared.network_mode == "none"
@@ -68,6 +69,7 @@ def test_prepared_container_mounts_data_read_only_and_hides_host_environment(tmp
         "PREFECT__FLOW_RUN_ID": "abc", "SEED": "7",
         "CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "1,2", "NVIDIA_VISIBLE_DEVICES": "1,2",
         "E31_DATA_DIR": "/e31/data", "E31_OUTPUT_DIR": "/e31/output", "E31_WORK_ENDED": "/e31/control/work-ended",
+        "E31_HAND_OVER": "/e31/control/hand-over",  # its devices' variables come there, once rented
         **result_environment("/e31/output"),  # the flow's result is persisted with its outputs
     }
     assert prepared.mem_limit == prepared.memswap_limit == str(512 * 1024 * 1024)

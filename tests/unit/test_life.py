@@ -26,7 +26,7 @@ from prefect.states import Completed, Failed, Running
 from e31_prefect import endings
 from e31_prefect.inventory import Device, Inventory
 from e31_prefect.job import Job, JobError, parse_job
-from e31_prefect.ledger import Ledger, Record, Spec
+from e31_prefect.ledger import Ledger, Record, Spec, process_running
 from e31_prefect.life import Ends, JobLife, judge
 from e31_prefect.run_states import RunStates
 from e31_prefect.runtimes import Placement
@@ -166,22 +166,33 @@ def life_for(tmp_path: Path, job: dict[str, Any] | None = None, **worker: Any) -
     return life
 
 
+# What e31's job entry does first: say it is ready, then wait to be handed its devices (e31_prefect.job_entry).
+GATE = ("import os\nfrom e31_prefect import job_entry\njob_entry._pipe.append(os.environ['E31_WORK_ENDED'])\n"
+        "job_entry.wait_for_hand_over(os.environ['E31_HAND_OVER'])\n")
+
+
 class CommandRuntime:
-    """A runtime whose work is a plain command, run by the real supervisor."""
+    """A runtime whose work is a plain command after e31's gate, run by the real supervisor."""
 
     name = "process"
     died = endings.PROCESS_DIED
 
-    def __init__(self, code: str, problem: str | None = None):
+    def __init__(self, code: str, problem: str | None = None, before_gate: str = ""):
         self.code = code
         self.problem = problem
+        self.before_gate = before_gate  # what the process does before it says it is ready (loading Prefect)
 
     async def check(self) -> str | None:
         return self.problem
 
+    def starts_before_rent(self, job: Any) -> bool:
+        return True
+
     def spec(self, placement: Placement) -> Spec:
-        return placement.spec(self.name, argv=[sys.executable, "-c", self.code],
-                              env={"PATH": os.environ["PATH"], "OUT": str(placement.output_dir)},
+        return placement.spec(self.name, argv=[sys.executable, "-c", self.before_gate + GATE + self.code],
+                              env={"PATH": os.environ["PATH"], "OUT": str(placement.output_dir),
+                                   "E31_WORK_ENDED": str(placement.folder.work_ended_pipe),
+                                   "E31_HAND_OVER": str(placement.folder.hand_over_pipe)},
                               cwd=str(placement.workspace))
 
     async def start(self, placement: Placement, supervisor: Any) -> None:
@@ -266,10 +277,10 @@ async def test_stage_fails_a_missing_input_before_renting(tmp_path):
 
 async def rent_and(life: JobLife, inside=None):
     job = life.admit()
-    async with life.rent(job, CommandRuntime("")) as placement:
+    async with life.rent(job, CommandRuntime("")) as rental:
         if inside:
-            await inside(placement)
-        return placement
+            await inside(rental)
+        return rental
 
 
 async def test_rent_holds_devices_and_slots_writes_the_ledger_and_gives_them_all_back(tmp_path):
@@ -281,14 +292,14 @@ async def test_rent_holds_devices_and_slots_writes_the_ledger_and_gives_them_all
         seen["holding"] = life.folder.holding()
         seen["leases"] = dict(life.worker.client.leases)
 
-    placement = await rent_and(life, inside)
-    assert placement.devices == [Device(0, "H100")] and placement.stop_at is not None
+    rental = await rent_and(life, inside)
+    assert rental.devices == [Device(0, "H100")]
     assert seen["free"] == [Device(1, "H100")]
     assert seen["holding"].devices == [0] and seen["holding"].job["name"] == "train"
     assert list(seen["leases"].values()) == [1]
     assert life.worker.inventory.free() == life.worker.inventory.devices
     assert life.worker.client.leases == {}, "the quota slots went back with the devices"
-    assert "rented" in life.meter.marks
+    assert "rented" not in life.meter.marks, "the meter starts at the hand-over, not when the devices are held"
 
 
 async def test_rent_hands_the_run_back_when_no_device_is_free(tmp_path):
@@ -315,7 +326,7 @@ async def test_rent_refuses_a_run_its_quota_can_never_hold(tmp_path):
 async def test_a_worker_stopping_while_rented_keeps_the_lease_for_the_adopter(tmp_path):
     life = life_for(tmp_path)
 
-    async def stopped(placement: Placement) -> None:
+    async def stopped(rental: Any) -> None:
         raise anyio.get_cancelled_exc_class()()
 
     with pytest.raises(anyio.get_cancelled_exc_class()):
@@ -327,12 +338,19 @@ async def test_a_worker_stopping_while_rented_keeps_the_lease_for_the_adopter(tm
 # -- run --------------------------------------------------------------------------------------
 
 
-async def run_work(life: JobLife, code: str) -> Record:
-    job = life.admit()
-    runtime = CommandRuntime(code)
-    async with life.rent(job, runtime) as placement:
-        (placement.output_dir).mkdir(parents=True, exist_ok=True)
-        supervisor = await life.start_work(placement, runtime)
+def staged(life: JobLife) -> Job:
+    """The admitted job, its run taken (its ledger folder) and its workspace made, as before the run step."""
+    life._take()
+    (life.workspace / "output").mkdir(parents=True, exist_ok=True)
+    return life.admit()
+
+
+async def run_work(life: JobLife, code: str, before_gate: str = "") -> Record:
+    """The run step as the life takes it: prepare the work, rent, hand over, watch until it ends."""
+    job = staged(life)
+    runtime = CommandRuntime(code, before_gate=before_gate)
+    async with life.prepare(job, runtime, []) as supervisor, life.rent(job, runtime) as rental:
+        await life.hand_over(job, supervisor, rental)
         async with life.watching(supervisor):
             record = await supervisor.wait()
     return record
@@ -345,6 +363,53 @@ async def test_run_starts_the_work_under_its_supervisor_and_records_its_end(tmp_
     assert (life.workspace / "output" / "x.txt").read_text() == "x"
     assert life.infrastructure == record.infrastructure and "running" in life.meter.marks
     assert life.worker.inventory.free() == life.worker.inventory.devices
+
+
+async def test_the_work_loads_before_the_rent_and_the_meter_starts_at_the_hand_over(tmp_path):
+    life = life_for(tmp_path)
+    loading = "import time; time.sleep(1.5)\n"  # as Prefect's import, before the entry says it is ready
+    record = await run_work(life, "import os; open(os.environ['OUT'] + '/devices', 'w').write("
+                                  "os.environ['CUDA_VISIBLE_DEVICES'])", before_gate=loading)
+    assert record.ending == "exited" and record.exit_code == 0
+    assert (life.workspace / "output" / "devices").read_text() == "0", "its code sees the device it was handed"
+    marks = life.meter.marks
+    assert marks["ready"] <= marks["rented"] <= marks["running"], "rented once the work was ready, not before"
+    assert life.meter.billed_seconds < 1.5, "the load before the hand-over was billed"
+
+
+async def test_no_device_is_held_while_the_work_loads(tmp_path):
+    life = life_for(tmp_path)
+    job = staged(life)
+    async with life.prepare(job, CommandRuntime("pass", before_gate="import time; time.sleep(1)\n"), []):
+        assert life.worker.inventory.free() == life.worker.inventory.devices
+        assert life.folder.record().ready is not None
+    assert life.folder.record().ending == "not-started", "left before its hand-over, the work ended"
+
+
+async def test_a_process_that_dies_while_waiting_is_handed_nothing_and_billed_nothing(tmp_path):
+    life = life_for(tmp_path)
+    job = staged(life)
+    ending = await ending_of_async(lambda: life.prepare(job, CommandRuntime(
+        "pass", before_gate="raise SystemExit(3)\n"), []).__aenter__())
+    assert ending.is_(endings.NOT_STARTED) and "exit code 3" in ending.message
+    assert "rented" not in life.meter.marks and life.worker.client.leases == {}
+    assert life.worker.inventory.free() == life.worker.inventory.devices
+
+
+async def test_a_worker_that_goes_before_the_hand_over_leaves_no_work_running(tmp_path):
+    life = life_for(tmp_path)
+    job = staged(life)
+    async with life.prepare(job, CommandRuntime("import time; time.sleep(600)"), []) as supervisor:
+        pid = int(life.folder.record().infrastructure)
+        supervisor.stop()  # a cancel as it waits: nothing of the job ran, nothing is billed
+        record = await supervisor.wait()
+    assert record.ending == "not-started" and "cancelled" in record.message and record.started is None
+    assert not process_running(pid)
+    life2 = life_for(tmp_path / "2")
+    async with life2.prepare(staged(life2), CommandRuntime("import time; time.sleep(600)"), []):
+        pid = int(life2.folder.record().infrastructure)
+    record = life2.folder.record()  # the worker let it go (it stopped, or could not rent)
+    assert record.ending == "not-started" and "no devices" in record.message and not process_running(pid)
 
 
 async def test_a_cancel_requested_in_prefect_stops_the_work(tmp_path):

@@ -19,8 +19,9 @@ TIMELINE = {
     "submitted": 0,
     "picked": 60,  # 60 s queued
     "staged": 180,  # 120 s staging
-    "rented": 200,  # 20 s waiting for devices (not billed)
-    "running": 205,  # 5 s rent before the work starts (billed)
+    "ready": 184,  # 4 s loading Prefect in the job's process, no device held (not billed)
+    "rented": 200,  # 16 s waiting for devices (not billed)
+    "running": 205,  # 5 s from the hand-over to the work's start (billed)
     "run_ended": 3925,  # 3720 s run (billed): 3725 s billed in all
     "output": 3985,  # 60 s output upload
     "released": 3990,
@@ -45,6 +46,13 @@ def test_billed_is_from_rented_to_run_ended():
     assert meter.billed_seconds == 3725.0
     assert meter.billed_gpu_seconds == 7450.0
     assert meter.run_seconds == 3720.0
+
+
+def test_loading_prefect_before_the_hand_over_is_recorded_but_not_billed():
+    meter = metered()
+    assert meter.between("staged", "ready") == 4.0
+    slow = metered(timeline={**TIMELINE, "ready": 199.5})
+    assert slow.billed_seconds == meter.billed_seconds == 3725.0
 
 
 def test_queue_staging_and_output_are_recorded_but_not_billed():
@@ -164,10 +172,10 @@ def test_table_rows_in_step_order_with_a_total():
     rows = table(meter)
     assert [row["step"] for row in rows] == [*STEPS, "total billed"]
     assert [row["seconds"] for row in rows] == [
-        0.0, 60.0, 120.0, 20.0, 5.0, 3720.0, 60.0, 5.0, 3725.0,
+        0.0, 60.0, 120.0, 4.0, 16.0, 5.0, 3720.0, 60.0, 5.0, 3725.0,
     ]
     assert [row["billed"] for row in rows] == [
-        False, False, False, False, True, True, False, False, True,
+        False, False, False, False, False, True, True, False, False, True,
     ]
     assert rows[0] == {
         "step": "submitted",

@@ -181,9 +181,10 @@ async def test_without_a_disk_of_its_own_the_supervisor_stops_it_though_no_worke
     life.configuration.max_output_files = 20
     job = life.admit()
     runtime = CommandRuntime(FLOOD)
-    async with life.rent(job, runtime) as placement:
-        placement.output_dir.mkdir(parents=True, exist_ok=True)
-        supervisor = await life.start_work(placement, runtime)
+    life._take()  # the run's ledger folder, as its life takes it first
+    (life.workspace / "output").mkdir(parents=True, exist_ok=True)
+    async with life.prepare(job, runtime, []) as supervisor, life.rent(job, runtime) as rental:
+        await life.hand_over(job, supervisor, rental)
         record = await supervisor.wait()  # nobody watches: as if the worker had died
     assert record.ending == "output-bound"
     assert len(os.listdir(life.workspace / "output")) < 100000
