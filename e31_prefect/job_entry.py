@@ -43,10 +43,12 @@ HAND_OVER_VARIABLE = "E31_HAND_OVER"  # the pipe the supervisor hands the run's 
 SHARDS_VARIABLE = "E31_SHARDS"  # a sharded job's settings (e31_prefect.model.shards)
 API_SOCKET_VARIABLE = "E31_API_SOCKET"  # the run's gateway to the Prefect API (see e31_prefect.host.gateway)
 READY = "ready"  # the entry's first word to its supervisor: Prefect is loaded, hand the devices over
-# What Prefect's engine imports to run a flow run, loaded before the hand-over (none of it is the job's code).
+# What Prefect's engine imports to run a flow run, loaded before the hand-over (none of it is the job's code):
+# found by listing the modules first imported after the hand-over of a run of the README's example.
 ENGINE_MODULES = ("prefect.engine", "prefect.flow_engine", "prefect._internal.metrics", "prefect.flows",
                   "prefect.deployments.steps.core", "prefect.client.orchestration", "prefect.results",
-                  "prefect.task_engine", "prefect.logging.handlers")
+                  "prefect.task_engine", "prefect.logging.handlers", "prefect.utilities.visualization",
+                  "pydantic.v1", "anyio._backends._asyncio", "rich._emoji_codes", "e31_prefect")
 _pipe: list[str] = []  # where to say it; taken out of the environment, so the flow's own code never sees it
 
 

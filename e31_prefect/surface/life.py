@@ -69,7 +69,7 @@ from e31_prefect.surface.life_terms import (
     scheduled_start,
     transient,
 )
-from e31_prefect.surface.life_watch import Watching
+from e31_prefect.surface.life_watch import GONE, Watching
 
 QUOTA_RETRY = timedelta(seconds=15)
 READY_SECONDS = 300.0  # how long a job's process may take to load Prefect before it is ended, unbilled
@@ -133,6 +133,13 @@ class JobLife(Sending, Watching):
         except Exception as exc:
             if isinstance(exc, Ends):
                 ending = exc.ending
+            elif isinstance(exc, ObjectNotFound) and await self._gone_from_prefect():
+                # Deleted while this worker had it: nothing is left in Prefect to tell, and no later try
+                # would find it; what it held goes back now.
+                self._signal_started(RuntimeError(GONE))
+                with anyio.CancelScope(shield=True):
+                    await self.release(None)
+                return None
             elif transient(exc) and self.holding is not None and self.infrastructure is not None:
                 # The work ran; only Prefect did not answer. The ledger keeps the run, and this host's
                 # next sweep for runs no worker owns (every heartbeat) finishes its life.
@@ -150,6 +157,8 @@ class JobLife(Sending, Watching):
             with anyio.CancelScope(shield=True):
                 try:
                     await self._set_state(ending)
+                except ObjectNotFound:
+                    self.log.warning("The run's state could not be set to %s: %s", ending.name, GONE)
                 except Exception as unset:
                     self.log.error("The run's state could not be set to %s: %s", ending.name, unset)
         self._signal_started(RuntimeError("The run ended before it started."))
@@ -471,6 +480,10 @@ class JobLife(Sending, Watching):
         for pause in (*CLOSE_RETRY_SECONDS, None):
             try:
                 await self.report.close(self.meter, self.job_name, ending.event if ending else None, outputs)
+                return True
+            except ObjectNotFound:
+                # A 404 is no outage: the run was deleted, and the ledger would keep its meter for nobody.
+                self.log.warning("The meter is not recorded in Prefect: %s", GONE)
                 return True
             except Exception as exc:
                 if pause is None:

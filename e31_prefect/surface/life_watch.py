@@ -15,11 +15,15 @@ from pathlib import Path
 
 import anyio
 import anyio.abc
+from prefect.exceptions import ObjectNotFound
 
 from e31_prefect.host import disk, output_bounds
 from e31_prefect.host.ledger import now
 from e31_prefect.host.supervision import Supervisor
 from e31_prefect.surface import quotas
+
+GONE = ("the flow run is gone from Prefect (deleted while this worker had it); its devices, ledger entry and "
+        "workspace are released, and nothing more of it is recorded")
 
 
 class Watching:
@@ -59,6 +63,21 @@ class Watching:
                 if state is not None and state.is_cancelling():
                     self.log.info("Cancellation requested: stopping the run")
                     supervisor.stop()
+                elif state is None and await self._gone_from_prefect():
+                    # Deleted while it runs: its work would hold the devices to its time limit, billed to nobody.
+                    self.log.warning("Stopping the work: %s", GONE)
+                    supervisor.stop()
+                    return
+
+    async def _gone_from_prefect(self) -> bool:
+        """Whether the flow run itself was deleted from Prefect (a 404 may name something else)."""
+        try:
+            await self.worker.client.read_flow_run(self.run_id)
+        except ObjectNotFound:
+            return True
+        except Exception:
+            return False
+        return False
 
     async def _over_bounds(self) -> bool:
         """Where the output dir is no disk of its own, whether the work wrote past its bounds (then it is stopped)."""

@@ -427,3 +427,36 @@ def test_a_container_left_by_a_dead_supervisor_is_found_by_prefect_dockers_run_l
     finally:
         subprocess.run(f"docker ps -aq --filter label={RUN_LABEL}={run_id} | xargs -r docker rm -f", shell=True,
                        capture_output=True)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_run_deleted_while_it_runs_lets_its_worker_go_on(kind, prefect_server, job_image, tmp_path, pool):
+    """`prefect flow-run delete` (or the UI's delete) while a worker runs the run: the worker goes on and
+    leaves nothing running. e31 stops the work (it would hold its GPUs to its time limit, billed to nobody)
+    and forgets the run at once, saying why, instead of retrying a 404 and keeping it in its ledger."""
+    contender = Contender(kind, tmp_path / kind, pool, job_image, {})
+    # The stock worker leaves a deleted run's container to run to its end: give it a short one.
+    run_id = contender.submit(sleep={"docker": 20, "e31": 600}[kind])
+    worker = contender.worker("--run-once", E31_WATCH_SECONDS="1")
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and not read_run(run_id).state.is_running():
+            time.sleep(0.5)
+        assert read_run(run_id).state.is_running(), read_run(run_id).state
+        with get_client(sync_client=True) as client:
+            client.delete_flow_run(run_id)
+        assert worker.wait(timeout=240) == 0
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait(timeout=60)
+    running = subprocess.run(["docker", "ps", "-q", "--filter", f"label={RUN_LABEL}={run_id}"],
+                             capture_output=True, text=True, check=True)
+    assert running.stdout.split() == [], "the deleted run's container still runs"
+    if kind == "e31":
+        log = "\n".join(path.read_text(errors="replace") for path in contender.folder.glob("worker-*.log"))
+        assert "the flow run is gone from Prefect (deleted while this worker had it)" in log, log[-3000:]
+        assert "could not be recorded in Prefect (None)" not in log
+        # Nothing left for the next worker on this host to adopt, and no workspace.
+        assert not (contender.folder / "e31" / "ledger" / str(run_id)).exists()
+        assert not (contender.folder / "e31" / "workspaces" / str(run_id)).exists()
