@@ -46,7 +46,13 @@ python3 -m pip download --quiet --only-binary=:all: --python-version 3.11.2 \
   -c constraints.txt -d "$context/deps" "$context"/project/*.whl "async-timeout>=4.0.3" >&2
 rm -f "$context"/deps/e31_prefect-*.whl
 docker build --network none -t "$tag" "$context" >&2
-# Older builds of the image are dead weight once this one exists.
-docker images e31-prefect-job --format '{{.Tag}}' | grep -vx "$inputs" | \
-  xargs -r -I{} docker rmi "e31-prefect-job:{}" >/dev/null 2>&1 || true
+# Older builds of the image are dead weight once this one exists; but another checkout on this engine may
+# be testing with its own build right now, so only builds over a day old go.
+cutoff=$(( $(date +%s) - 86400 ))
+docker images e31-prefect-job --format '{{.Tag}}|{{.CreatedAt}}' | while IFS='|' read -r old created; do
+  made=$(date -d "${created% *}" +%s 2>/dev/null || echo "$cutoff")  # "2026-12-06 04:59:51 +0000 UTC"
+  if [ "$old" != "$inputs" ] && [ "$made" -lt "$cutoff" ]; then
+    docker rmi "e31-prefect-job:$old" >/dev/null 2>&1 || true
+  fi
+done
 echo "$tag"

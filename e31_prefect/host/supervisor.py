@@ -175,8 +175,8 @@ class Supervisor:
         selector.register(self.control, selectors.EVENT_READ, "control")
         while True:
             for key, _ in selector.select(KILL_RETRY_SECONDS):
-                if key.data == "said" and _words(pipe) and self.record.ready is None:
-                    self.record.ready = now().isoformat()  # the entry's first word is its ready
+                if key.data == "said" and READY in _words(pipe) and self.record.ready is None:
+                    self.record.ready = now().isoformat()
                     self.save()
                 elif key.data == "control":
                     for message in self.control.read():

@@ -549,6 +549,34 @@ async def test_a_whole_life_refused_at_admission_sets_its_state_and_bills_nothin
     assert meter.billed_seconds == 0 and outcome == "invalid-job"
 
 
+class RentFirstRuntime(CommandRuntime):
+    """A runtime whose devices are given as its work is created (a container's GPU device requests)."""
+
+    def __init__(self, code: str, seen: dict[str, Any]):
+        super().__init__(code)
+        self.seen = seen
+
+    def starts_before_rent(self, job: Any) -> bool:
+        return False
+
+    def spec(self, placement: Placement) -> Spec:
+        self.seen["devices"] = placement.devices  # what it is created with
+        return super().spec(placement)
+
+
+async def test_work_given_its_devices_at_create_is_started_after_the_rent_and_billed_from_the_hand_over(
+        tmp_path, monkeypatch):
+    seen: dict[str, Any] = {}
+    life = life_for(tmp_path)
+    monkeypatch.setattr("e31_prefect.surface.life.runtime_for",
+                        lambda *_: RentFirstRuntime("import time; time.sleep(0.2)", seen))
+    life.worker.client.state = Completed()  # as the flow's engine reports it
+    assert await life.live() is None  # the flow's own final state stands (the fake client says Completed)
+    assert seen["devices"] == [Device(0, "H100")], "created with its rented device"
+    [(meter, _, _)] = life.report.closed
+    assert meter.marks["ready"] <= meter.marks["rented"] <= meter.marks["running"]
+
+
 def test_every_ending_has_its_own_name_and_tag():
     assert len({ending.tag for ending in endings.ALL}) == len(endings.ALL)
     assert all(ending.billed is False for ending in endings.ALL if ending.state.value == "SCHEDULED")
