@@ -34,10 +34,13 @@ def prefect_server() -> Iterator[str]:
     # CI (E31_TEST_DATABASE=postgres) runs the server on PostgreSQL, as a pool of many workers has it.
     database = f"e31_tests_{uuid4().hex[:12]}" if os.environ.get("E31_TEST_DATABASE") == "postgres" else ""
     log.parent.mkdir(parents=True, exist_ok=True)
+    # Expired quota leases are taken back every 2 s, not every 15 s: a test of a dead worker's slots coming back
+    # within a lease waits for the lease, not for the server's next look.
+    services = {"PREFECT_SERVER_SERVICES_REPOSSESSOR_LOOP_SECONDS": "2"}
     with log.open("wb") as out:
         server = subprocess.Popen(
             [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", port],
-            env={**os.environ, **database_url(database)}, stdout=out, stderr=subprocess.STDOUT,
+            env={**os.environ, **database_url(database), **services}, stdout=out, stderr=subprocess.STDOUT,
             start_new_session=True,
         )
     deadline = time.monotonic() + 180

@@ -99,7 +99,10 @@ def test_an_api_outage_at_the_end_of_a_run_is_billed_to_nobody(own_server, tmp_p
     assert submitted.returncode == 0, submitted.stderr
     run_id = flow_run_id(submitted.stdout)
     home = tmp_path / "host"
-    worker = Worker("outage", home, "1xH100", PREFECT_API_URL=own_server.api_url, PREFECT_HOME=str(own_server.home))
+    # The engine cannot report while the API is down: its supervisor stops it after a report grace of 5 s (the
+    # default 60 s would only make the test wait; the bill ends where the work did, whatever the grace).
+    worker = Worker("outage", home, "1xH100", PREFECT_API_URL=own_server.api_url, PREFECT_HOME=str(own_server.home),
+                    E31_REPORT_GRACE_SECONDS="5")
     folder = RunFolder(home / "ledger" / str(run_id))
     try:
         record = until(lambda: (r := folder.record()) is not None and r.started and r, 120, "the work starting")

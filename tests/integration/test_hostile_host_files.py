@@ -76,7 +76,14 @@ def hostile(home: str, lock: str, hold_s: float):
     except OSError as error:
         tried["lock"] = type(error).__name__
     (output_dir() / "tried.json").write_text(json.dumps(tried))
-    time.sleep(hold_s)  # holding the lock, if it got it, as long as its time limit allows
+    # Holding the lock, if it got it, until the test has seen what it wanted (it leaves "release" here), or hold_s.
+    held_until = time.monotonic() + hold_s
+    while time.monotonic() < held_until and not (output_dir() / "release").exists():
+        time.sleep(0.2)
+    try:
+        (output_dir() / "release").unlink()  # not an output of its own
+    except OSError:
+        pass
 """
 
 
@@ -150,7 +157,7 @@ def test_a_process_job_locks_no_gpu_and_delays_no_other_run(prefect_server, tmp_
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 240
-        while not list(home.glob("workspaces/*/output/tried.json")):
+        while not (tried_at := list(home.glob("workspaces/*/output/tried.json"))):
             assert attacker.poll() is None, attacker.communicate()[0]
             assert time.monotonic() < deadline, "the hostile job never got to its attempts"
             time.sleep(0.5)
@@ -160,6 +167,7 @@ def test_a_process_job_locks_no_gpu_and_delays_no_other_run(prefect_server, tmp_
         assert second.returncode == 0, second.stdout + second.stderr
         assert attacker.poll() is None, "the second run waited for the hostile job to end"
         assert read_run(flow_run_id(second.stdout)).state.is_completed()
+        (tried_at[0].parent / "release").write_text("")  # seen: the hostile job may end now, not after 90 s
     finally:
         out = attacker.communicate(timeout=300)[0]
     assert attacker.returncode == 0, out

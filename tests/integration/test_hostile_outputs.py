@@ -188,7 +188,14 @@ from e31_prefect import output_dir
 @flow
 def fill_later():
     (output_dir() / "first.txt").write_text("written before the worker died")
-    time.sleep(8)  # its worker is killed meanwhile: the disk bounds it still
+    # Its worker is killed meanwhile (the test leaves "go" here once it is): the disk bounds it still.
+    until = time.monotonic() + 120
+    while not (output_dir() / "go").exists() and time.monotonic() < until:
+        time.sleep(0.2)
+    try:
+        (output_dir() / "go").unlink()  # not an output of its own
+    except OSError:
+        pass
     with open(output_dir() / "big.bin", "wb") as big:
         for _ in range(200):
             big.write(os.urandom(1 << 20))
@@ -214,6 +221,7 @@ def test_a_run_whose_worker_died_is_bounded_by_its_disk_and_the_adopter_unmounts
     until(lambda: running_under_supervisor(home, run_id), 120, "the run starting")
     assert disk.mounts_under(home / "workspaces" / str(run_id)) != []
     first.kill()
+    (home / "workspaces" / str(run_id) / "output" / "go").write_text("")  # the job fills its disk now
     second = Worker(pool, home, "1xH100", "--run-once")
     assert second.wait(180) == 0, second.output()
     state = read_run(run_id).state

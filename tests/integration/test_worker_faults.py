@@ -183,7 +183,8 @@ def test_a_run_whose_worker_was_killed_completes_and_is_adopted(prefect_server, 
 
 def test_sigterm_stops_a_worker_within_10_s_and_its_run_goes_on_for_the_next(prefect_server, tmp_path, pool):
     idle = Worker(f"{pool}-idle", tmp_path / "idle")
-    time.sleep(8)  # started and polling
+    until(lambda: "started!" in idle.output(), 120, "the idle worker starting")  # Prefect's word, once it polls
+    time.sleep(1)
     assert idle.stop(timeout=30) <= 10, idle.output()
 
     home = tmp_path / "host"
