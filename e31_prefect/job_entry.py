@@ -32,6 +32,7 @@ import json
 import os
 import runpy
 import socket
+import sys
 import threading
 import time
 import urllib.error
@@ -43,6 +44,8 @@ HAND_OVER_VARIABLE = "E31_HAND_OVER"  # the pipe the supervisor hands the run's 
 SHARDS_VARIABLE = "E31_SHARDS"  # a sharded job's settings (e31_prefect.model.shards)
 API_SOCKET_VARIABLE = "E31_API_SOCKET"  # the run's gateway to the Prefect API (see e31_prefect.host.gateway)
 READY = "ready"  # the entry's first word to its supervisor: Prefect is loaded, hand the devices over
+START_VARIABLES = ("LD_", "PYTHONPATH", "PYTHONHOME", "PYTHONUSERBASE", "PYTHONPLATLIBDIR", "PYTHONSTARTUP",
+                   "GCONV_PATH")  # as e31_prefect.runtimes.process holds them back (this file stands alone)
 # What Prefect's engine imports to run a flow run, loaded before the hand-over (none of it is the job's code):
 # found by listing the modules first imported after the hand-over of a run of the README's example.
 ENGINE_MODULES = ("prefect.engine", "prefect.flow_engine", "prefect._internal.metrics", "prefect.flows",
@@ -82,8 +85,9 @@ def prepare_engine() -> None:
             importlib.import_module(name)
 
 
-def wait_for_hand_over(path: str) -> None:
-    """Say ``ready``, then wait for the run's devices; their variables are set in this process's environment.
+def wait_for_hand_over(path: str) -> dict[str, str]:
+    """Say ``ready``, then wait for the run's devices; their variables are set in this process's environment
+    and returned.
 
     The supervisor holds the pipe open from before this process starts, so opening it never waits, and
     a supervisor that dies leaves an end of file here: the entry then ends, having run nothing.
@@ -93,8 +97,19 @@ def wait_for_hand_over(path: str) -> None:
         line = gate.readline()
     if not line:
         raise SystemExit("e31: the run's supervisor ended before handing over its devices; nothing ran")
-    for name, value in json.loads(line)["env"].items():
+    given = json.loads(line)["env"]
+    for name, value in given.items():
         os.environ[name] = value
+    return given
+
+
+def start_again_with(given: dict[str, str], control: dict[str, str]) -> None:
+    """Where the hand-over gave variables that change how an interpreter starts (the job's PYTHONPATH,
+    LD_PRELOAD ...), start this entry again with them, past the gate (its Prefect load is then billed)."""
+    if not any(name.startswith(START_VARIABLES) for name in given):
+        return
+    entry = ["-m", __spec__.name] if __spec__ is not None else [os.path.abspath(__file__)]
+    os.execve(sys.executable, [sys.executable, *entry], {**os.environ, **control})  # no gate this time
 
 
 def is_last_state(engine: Any, state: Any) -> bool:
@@ -214,13 +229,16 @@ def main() -> None:
         _pipe.append(path)
     hand_over = os.environ.pop(HAND_OVER_VARIABLE, None)
     api_socket = os.environ.pop(API_SOCKET_VARIABLE, None)
+    api_url = os.environ.get("PREFECT_API_URL")
     if api_socket:
         os.environ["PREFECT_API_URL"] = forward_api(api_socket)
     prepare_engine()
     _say_before_reporting()
     wait_for_api(os.environ.get("PREFECT_API_URL"))
     if hand_over:
-        wait_for_hand_over(hand_over)
+        control = {name: value for name, value in ((WORK_ENDED_VARIABLE, path), (API_SOCKET_VARIABLE, api_socket),
+                                                   ("PREFECT_API_URL", api_url)) if value}
+        start_again_with(wait_for_hand_over(hand_over), control)
     start_shards()
     runpy.run_module("prefect.engine", run_name="__main__", alter_sys=True)
 

@@ -196,12 +196,13 @@ class Supervisor:
             if exit_ is not None:
                 self.record.exit_code = exit_.code
                 self.record.message = (f"the job's process ended (exit code {exit_.code}) before its devices "
-                                       "were handed over; its output log says why")
+                                       "were handed over")
                 return False
             if handed is not None and self.record.ready is not None:
                 break
         with contextlib.suppress(OSError):  # a job that closed its end gets its variables nowhere: it ends
-            os.write(gate, json.dumps({"env": handed.get("env") or {}}).encode() + b"\n")
+            os.write(gate, json.dumps({"env": {**self.spec.hand_over_env, **(handed.get("env") or {})}}).encode()
+                     + b"\n")
         os.close(gate)
         self.record.started = now().isoformat()
         self.stop_at = moment(handed.get("stop_at"))

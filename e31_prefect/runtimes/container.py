@@ -289,27 +289,32 @@ class ContainerRuntime:
         self.worker = worker
         self.configuration = configuration
         self.send_gpus = False
+        self.engine_gpus = False
         self.events: ContainerEvents | None = None
 
     def starts_before_rent(self, job: Job) -> bool:
-        # A GPU device request is made when the container is created: such a container starts once its
-        # devices are rented, and waits for the hand-over (the meter's start) like any other.
-        return not (self.send_gpus and job.request.gpus > 0)
+        # An engine that runs GPUs gives a container its devices as it is created (a device request, or the
+        # NVIDIA runtime reading NVIDIA_VISIBLE_DEVICES): such a container is created once they are rented,
+        # and billed from then, since the image's own code holds them from its start. Elsewhere no GPU can
+        # reach a container, and its devices are only variables, handed over like a process's.
+        return job.request.gpus == 0 or not (self.send_gpus or self.engine_gpus)
 
     async def check(self) -> str | None:
         try:
-            self.send_gpus = await asyncio.to_thread(self._engine_takes_device_requests)
+            self.send_gpus, self.engine_gpus = await asyncio.to_thread(self._engine_takes_device_requests)
         except Exception as exc:
             return f"this host's Docker engine does not answer ({exc})"
         return None
 
-    def _engine_takes_device_requests(self) -> bool:
-        """Reach the Docker engine (raises if none answers); say whether to send GPU device requests."""
+    def _engine_takes_device_requests(self) -> tuple[bool, bool]:
+        """Reach the Docker engine (raises if none answers); say whether to send GPU device requests, and
+        whether it runs GPUs at all."""
         client = self.worker._get_client()
         try:
             client.ping()
+            runs_gpus = engine_runs_gpus(client)
             choice = self.configuration.gpu_device_requests
-            return choice == "on" or (choice == "auto" and engine_runs_gpus(client))
+            return choice == "on" or (choice == "auto" and runs_gpus), runs_gpus
         finally:
             client.close()
 
@@ -320,13 +325,13 @@ class ContainerRuntime:
 
     async def start(self, placement: Placement, supervisor: Supervisor) -> None:
         configuration = placement.configuration
-        prepared = prepare(configuration, placement.job, placement.devices, placement.data_dir,
-                           placement.output_dir, configuration._job_folder, self.send_gpus,
-                           placement.folder.work_ended_pipe, configuration.code_mount(),
-                           placement.settings.allowed_volumes, placement.folder.api_socket,
-                           placement.settings.container_user, placement.folder.hand_over_pipe)
-        give_output_dir(placement.output_dir, placement.settings.container_user)
         try:
+            prepared = prepare(configuration, placement.job, placement.devices, placement.data_dir,
+                               placement.output_dir, configuration._job_folder, self.send_gpus,
+                               placement.folder.work_ended_pipe, configuration.code_mount(),
+                               placement.settings.allowed_volumes, placement.folder.api_socket,
+                               placement.settings.container_user, placement.folder.hand_over_pipe)
+            give_output_dir(placement.output_dir, placement.settings.container_user)
             container, created = await asyncio.to_thread(self.worker._create_and_start_container, prepared)
         except BaseException:
             supervisor.name_container(None)

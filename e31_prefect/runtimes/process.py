@@ -34,6 +34,10 @@ if TYPE_CHECKING:
 # All a job takes from its worker's environment: where programs and Python's modules are, and the locale.
 # Nothing else (credentials, the worker's settings) reaches it.
 HOST_VARIABLES = ("PATH", "PYTHONPATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ")
+# A job's own variables that would run its code as the interpreter starts (a sitecustomize.py or .pth on its
+# PYTHONPATH, a preloaded library): held back until the hand-over, before which nothing of the job runs.
+START_VARIABLES = ("LD_", "PYTHONPATH", "PYTHONHOME", "PYTHONUSERBASE", "PYTHONPLATLIBDIR", "PYTHONSTARTUP",
+                   "GCONV_PATH")
 
 
 class ProcessRuntime:
@@ -74,8 +78,14 @@ class ProcessRuntime:
                     "job_hidden": [str(self.settings.device_locks), str(job_users.LOCKS)],
                     "job_temp_bytes": self.settings.job_temp_bytes,
                     "job_uids": [uids[0], uids[-1]]} if self.isolated else {}
+        env = environment(placement, home)
+        held = {name: value for name, value in placement.job.work.env.items() if name.startswith(START_VARIABLES)}
+        for name in held:  # the host's value (where e31 and Prefect are) until the hand-over, else none
+            env.pop(name, None)
+            if name in HOST_VARIABLES and name in os.environ:
+                env[name] = os.environ[name]
         return placement.spec(
-            self.name, argv=[sys.executable, "-m", "e31_prefect.job_entry"], env=environment(placement, home),
+            self.name, argv=[sys.executable, "-m", "e31_prefect.job_entry"], env=env, hand_over_env=held,
             cwd=str(placement.workspace), **isolated)
 
     async def start(self, placement: Placement, supervisor: Supervisor) -> None:

@@ -48,7 +48,7 @@ from e31_prefect.flows.command_flow import COMMAND_FLOW_ENTRYPOINT
 from e31_prefect.flows.flow_shards import FLOW_SHARDS_ENTRYPOINT
 from e31_prefect.host import cgroups, disk, output_bounds
 from e31_prefect.host.inventory import Device, pick_devices
-from e31_prefect.host.ledger import Holding, Record, RunFolder, now, this_process
+from e31_prefect.host.ledger import Holding, Record, RunFolder, now, output_tail, this_process
 from e31_prefect.host.output_bounds import OutputBounds
 from e31_prefect.host.supervision import Supervisor
 from e31_prefect.model import endings, shards, timing
@@ -66,6 +66,7 @@ from e31_prefect.surface.life_terms import (
     Rental,
     infrastructure_id,
     meter_from,
+    never_ready,
     scheduled_start,
     transient,
 )
@@ -176,8 +177,10 @@ class JobLife(Sending, Watching):
                 if runtime.starts_before_rent(job):
                     supervisor = await held.enter_async_context(self.prepare(job, runtime, []))
                     rental = await held.enter_async_context(self.rent(job, runtime))
-                else:  # its devices are given as it is created (a GPU device request): rented first
+                else:  # given its devices as it is created (a container's GPUs): rented first, billed from then
                     rental = await held.enter_async_context(self.rent(job, runtime))
+                    self.meter.mark("rented", now())
+                    self._save()
                     supervisor = await held.enter_async_context(self.prepare(job, runtime, rental.devices))
                 await self.hand_over(job, supervisor, rental)
                 await held.enter_async_context(self.watching(supervisor))
@@ -377,14 +380,13 @@ class JobLife(Sending, Watching):
             except Exception as exc:
                 self.log.error("The work could not be started: %s: %s", type(exc).__name__, exc)
                 self.start_error = f"{type(exc).__name__}: {exc}"  # the run's state quotes it (the engine's error)
+                supervisor.let_go()  # nothing to wait for: its supervisor ends whatever was made
             record: Record | None = None
             with anyio.move_on_after(READY_SECONDS):
                 record = await supervisor.ready()
             if record is None or record.finished:
-                why = (self.start_error or (record and record.message) or
-                       f"its process did not load Prefect within {READY_SECONDS:.0f} s")
-                raise Ends(endings.NOT_STARTED.saying(f"The work did not start: {why}. Nothing of the job ran; "
-                                                      "nothing was billed."))
+                why = self.start_error or (record and record.message) or f"it did not say ready in {READY_SECONDS} s"
+                raise Ends(never_ready(why, "rented" in self.meter.marks, output_tail(self.folder.output_log)))
             self.meter.mark("ready", datetime.fromisoformat(record.ready or record.started or now().isoformat()))
             yield supervisor
         finally:
@@ -529,6 +531,7 @@ class JobLife(Sending, Watching):
         if "rented" not in holding.marks:  # never handed its devices: its supervisor, if any, ends the work
             with anyio.move_on_after(60):
                 await Supervisor(folder).wait()
+            _stop_leftovers(folder)  # and whatever a supervisor that died first left
             ending = await life._never_started()
         else:
             ending = await life._resume(folder, Job.model_validate(holding.job))
@@ -566,6 +569,8 @@ class JobLife(Sending, Watching):
                 record = record or Record()
                 record.ended, record.ending = now().isoformat(), "exited"
                 record.message = "the run's supervisor died; its work was stopped by the adopting worker"
+        if record.ending == "not-started" and not record.started:
+            return await self._never_started()  # its worker died between the rent and the hand-over
         self.devices = [Device(index, "GPU") for index in (self.holding.devices if self.holding else [])]
         died = endings.CONTAINER_DIED if self.holding and self.holding.runtime == "container" else \
             endings.PROCESS_DIED

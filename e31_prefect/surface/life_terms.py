@@ -54,6 +54,13 @@ class Rental:
     devices: list[Device]
 
 
+def never_ready(why: str, rented: bool, tail: str = "") -> Ending:
+    """The ending of a run whose work ended before it was handed its devices: nothing of the job ran."""
+    billed = "its devices went back at once" if rented else "nothing was billed"
+    return endings.NOT_STARTED.saying(f"The work did not start: {why}. Nothing of the job ran; {billed}."
+                                      + (f" Its last output:\n{tail}" if tail else ""))
+
+
 def judge(record: Record | None, flow_state: State | None, died: Ending, job: Job, tail: str = "") -> Ending | None:
     """The ending a run deserves from how its work ended; None where the flow's own final state stands."""
     if record is None or record.ending is None:

@@ -166,6 +166,37 @@ def test_job_sees_only_its_devices_its_dirs_and_no_credentials(prefect_server, t
     assert "e31:gpus=2" in read_run(flow_run_id(result.stdout)).tags
 
 
+def test_code_on_the_jobs_own_pythonpath_runs_only_once_it_was_handed_its_devices(prefect_server, tmp_path, pool):
+    """A sitecustomize.py on the job's PYTHONPATH runs as an interpreter starts: never before the hand-over, when
+    the devices were not rented, the meter had not started and no time limit ran."""
+    job = write_job(tmp_path / "hooked", f"""
+        name: hooked
+        work:
+          flow: flow.py:hooked
+          env: {{PYTHONPATH: "{tmp_path / 'hooked' / 'lib'}"}}
+        request: {{gpus: 1, max_duration: 5m}}
+        output: {{to: ./out/, expect: [hook.txt]}}
+        """, flow="""
+        from prefect import flow
+        from helper import answer
+
+        @flow
+        def hooked():
+            return answer()
+        """)
+    lib = tmp_path / "hooked" / "lib"
+    lib.mkdir()
+    (lib / "helper.py").write_text("def answer():\n    return 42\n")
+    (lib / "sitecustomize.py").write_text(
+        "import os\nif os.environ.get('E31_OUTPUT_DIR'):\n"
+        "    with open(os.path.join(os.environ['E31_OUTPUT_DIR'], 'hook.txt'), 'a') as f:\n"
+        "        f.write(repr(os.environ.get('CUDA_VISIBLE_DEVICES')) + '\\n')\n")
+    os.chmod(tmp_path, 0o755)
+    result = cli("e31", "run", str(job), "--now", "--pool", pool, gpus="1xH100")
+    assert result.returncode == 0 and ": Completed" in result.stdout, result.stdout + result.stderr
+    assert (tmp_path / "hooked" / "out" / "hook.txt").read_text() == "'0'\n", "the job's code ran before the hand-over"
+
+
 def test_time_limit_kills_the_process_group_and_fails_timed_out(prefect_server, tmp_path, pool):
     job = write_job(tmp_path / "slow", """
         name: too-slow
