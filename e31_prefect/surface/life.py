@@ -15,8 +15,8 @@ to the next worker; one that had not rented yet hands its run back to the pool.
 
 The work is prepared before the rent where its runtime allows: its process (or
 container) loads Prefect with no device visible and waits; the devices are
-rented then and handed over, and the meter starts at the hand-over. No team
-pays for Prefect's start-up, and no device waits on it.
+rented then and handed over, and the meter starts at the hand-over: no team
+pays for Prefect's start-up.
 """
 
 from __future__ import annotations
