@@ -51,7 +51,8 @@ START_VARIABLES = ("LD_", "PYTHONPATH", "PYTHONHOME", "PYTHONUSERBASE", "PYTHONP
 ENGINE_MODULES = ("prefect.engine", "prefect.flow_engine", "prefect._internal.metrics", "prefect.flows",
                   "prefect.deployments.steps.core", "prefect.client.orchestration", "prefect.results",
                   "prefect.task_engine", "prefect.logging.handlers", "prefect.utilities.visualization",
-                  "pydantic.v1", "anyio._backends._asyncio", "rich._emoji_codes", "e31_prefect")
+                  "pydantic.v1", "anyio._backends._asyncio", "rich._emoji_codes", "e31_prefect",
+                  "prefect.deployments.steps.pull", "prefect.deployments.steps.utility")
 _pipe: list[str] = []  # where to say it; taken out of the environment, so the flow's own code never sees it
 
 
