@@ -23,6 +23,7 @@ from e31_prefect.host import cgroups
 from e31_prefect.host.inventory import Device, Inventory
 from e31_prefect.host.ledger import Record, RunFolder, Spec, now, process_running
 from e31_prefect.host.supervision import Supervisor, make_hand_over_pipe, make_work_ended_pipe
+from tests.unit.test_life import GATE  # what e31's job entry does first: say it is ready, wait for its devices
 
 pytestmark = pytest.mark.integration
 
@@ -39,9 +40,6 @@ time.sleep(float(sys.argv[2]))
 """
 
 
-# What e31's job entry does first: say it is ready, then wait to be handed its devices (e31_prefect.job_entry).
-GATE = ("import os\nfrom e31_prefect import job_entry\njob_entry._pipe.append(os.environ['E31_WORK_ENDED'])\n"
-        "job_entry.wait_for_hand_over(os.environ['E31_HAND_OVER'])\n")
 
 
 def start(folder: Path, script: str, *args: str, seconds: float | None = None, lock_files: tuple[int, ...] = (),
