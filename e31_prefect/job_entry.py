@@ -44,8 +44,10 @@ HAND_OVER_VARIABLE = "E31_HAND_OVER"  # the pipe the supervisor hands the run's 
 SHARDS_VARIABLE = "E31_SHARDS"  # a sharded job's settings (e31_prefect.model.shards)
 API_SOCKET_VARIABLE = "E31_API_SOCKET"  # the run's gateway to the Prefect API (see e31_prefect.host.gateway)
 READY = "ready"  # the entry's first word to its supervisor: Prefect is loaded, hand the devices over
+# A job's own variables that would run its code as an interpreter starts (a sitecustomize.py or .pth on its
+# PYTHONPATH, a preloaded library): the process runtime gives them only at the hand-over, and the entry restarts.
 START_VARIABLES = ("LD_", "PYTHONPATH", "PYTHONHOME", "PYTHONUSERBASE", "PYTHONPLATLIBDIR", "PYTHONSTARTUP",
-                   "GCONV_PATH")  # as e31_prefect.runtimes.process holds them back (this file stands alone)
+                   "GCONV_PATH")
 # What Prefect's engine imports to run a flow run, loaded before the hand-over (none of it is the job's code):
 # found by listing the modules first imported after the hand-over of a run of the README's example.
 ENGINE_MODULES = ("prefect.engine", "prefect.flow_engine", "prefect._internal.metrics", "prefect.flows",

@@ -20,6 +20,9 @@ from e31_prefect.data.results import result_environment
 from e31_prefect.dirs import DATA_DIR_VARIABLE, OUTPUT_DIR_VARIABLE
 from e31_prefect.host.inventory import Device, visible_devices_env
 from e31_prefect.host.ledger import RunFolder, Spec
+
+# The job entry's own names for its pipes and gateway (it stands alone in a container: it defines them).
+from e31_prefect.job_entry import API_SOCKET_VARIABLE, HAND_OVER_VARIABLE, WORK_ENDED_VARIABLE
 from e31_prefect.model.endings import Ending
 from e31_prefect.model.job import Job
 from e31_prefect.model.job_values import Problem
@@ -29,9 +32,6 @@ if TYPE_CHECKING:
     from e31_prefect.host.settings import E31Settings
     from e31_prefect.host.supervision import Supervisor
 
-WORK_ENDED_VARIABLE = "E31_WORK_ENDED"  # the pipe the job's entry writes to when its work is done
-HAND_OVER_VARIABLE = "E31_HAND_OVER"  # the pipe the job's entry is handed its devices on
-API_SOCKET_VARIABLE = "E31_API_SOCKET"  # the run's gateway to the Prefect API (e31_prefect.host.gateway)
 DEFAULT_PIDS_LIMIT = 4096
 
 

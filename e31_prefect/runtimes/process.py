@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from e31_prefect.host import job_users
 from e31_prefect.host.ledger import Spec
+from e31_prefect.job_entry import START_VARIABLES  # held back until the hand-over, where the entry restarts
 from e31_prefect.model import endings
 from e31_prefect.runtimes import (
     API_SOCKET_VARIABLE,
@@ -34,10 +35,6 @@ if TYPE_CHECKING:
 # All a job takes from its worker's environment: where programs and Python's modules are, and the locale.
 # Nothing else (credentials, the worker's settings) reaches it.
 HOST_VARIABLES = ("PATH", "PYTHONPATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ")
-# A job's own variables that would run its code as the interpreter starts (a sitecustomize.py or .pth on its
-# PYTHONPATH, a preloaded library): held back until the hand-over, before which nothing of the job runs.
-START_VARIABLES = ("LD_", "PYTHONPATH", "PYTHONHOME", "PYTHONUSERBASE", "PYTHONPLATLIBDIR", "PYTHONSTARTUP",
-                   "GCONV_PATH")
 
 
 class ProcessRuntime:
