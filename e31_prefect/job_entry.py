@@ -88,6 +88,54 @@ def prepare_engine() -> None:
             importlib.import_module(name)
 
 
+def share_tls_context() -> None:
+    """Build the TLS context Prefect's API clients verify the server with once, here, and give it to each.
+
+    Prefect builds one for every client it creates (reading a CA bundle: about 25 ms of CPU each), and
+    a flow run's start creates about six, all after the hand-over, most on a URL that is plain HTTP
+    (the run's gateway relay). The context is built from the same settings, so what is verified is
+    unchanged; a client given its own context keeps it.
+    """
+    import ssl
+
+    import certifi
+    from prefect.client import orchestration
+    from prefect.settings import PREFECT_API_SSL_CERT_FILE, PREFECT_API_TLS_INSECURE_SKIP_VERIFY
+
+    if PREFECT_API_TLS_INSECURE_SKIP_VERIFY.value():
+        context = ssl.create_default_context()
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    else:
+        context = ssl.create_default_context(cafile=PREFECT_API_SSL_CERT_FILE.value() or certifi.where())
+    for client_class in (orchestration.PrefectClient, orchestration.SyncPrefectClient):
+        create = client_class.__init__
+
+        def __init__(self: Any, *args: Any, httpx_settings: dict[str, Any] | None = None, _create: Any = create,
+                     **kwargs: Any) -> None:
+            _create(self, *args, httpx_settings={"verify": context, **(httpx_settings or {})}, **kwargs)
+
+        client_class.__init__ = __init__
+
+
+def open_api_client(stack: contextlib.ExitStack) -> None:
+    """Open the synchronous API client the engine runs the flow run with, and check the server's version,
+    before the hand-over (Prefect's engine takes a client already open in its context, and each kind of
+    client checks the version once per process: its events client by the URL as it is set)."""
+    import asyncio
+    import logging
+
+    from prefect._internal.version_checking import check_server_version
+    from prefect.context import SyncClientContext
+    from prefect.settings import PREFECT_API_URL
+
+    try:
+        stack.enter_context(SyncClientContext.get_or_create())
+        asyncio.run(check_server_version(PREFECT_API_URL.value(), logging.getLogger(__name__), raise_on_error=False))
+    except Exception:  # noqa: BLE001 -- the engine meets the same error after the hand-over, and reports it
+        pass
+
+
 def wait_for_hand_over(path: str) -> dict[str, str]:
     """Say ``ready``, then wait for the run's devices; their variables are set in this process's environment
     and returned.
@@ -237,13 +285,17 @@ def main() -> None:
         os.environ["PREFECT_API_URL"] = forward_api(api_socket)
     prepare_engine()
     _say_before_reporting()
+    share_tls_context()
     wait_for_api(os.environ.get("PREFECT_API_URL"))
-    if hand_over:
-        control = {name: value for name, value in ((WORK_ENDED_VARIABLE, path), (API_SOCKET_VARIABLE, api_socket),
-                                                   ("PREFECT_API_URL", api_url)) if value}
-        start_again_with(wait_for_hand_over(hand_over), control)
-    start_shards()
-    runpy.run_module("prefect.engine", run_name="__main__", alter_sys=True)
+    with contextlib.ExitStack() as stack:
+        open_api_client(stack)
+        if hand_over:
+            control = {name: value for name, value in ((WORK_ENDED_VARIABLE, path),
+                                                       (API_SOCKET_VARIABLE, api_socket),
+                                                       ("PREFECT_API_URL", api_url)) if value}
+            start_again_with(wait_for_hand_over(hand_over), control)
+        start_shards()
+        runpy.run_module("prefect.engine", run_name="__main__", alter_sys=True)
 
 
 if __name__ == "__main__":
