@@ -4,7 +4,9 @@
     python /e31/bin/job_entry.py             # a container: mounted read-only, so any image with Prefect runs it
 
 Loading Prefect and its engine takes seconds. The entry does it first, with no
-device visible, says ``ready`` on the pipe named by ``E31_WORK_ENDED`` and waits
+device visible: it imports the engine, opens the engine's API client and checks
+the server's version (:func:`prepare_api`). Then it says ``ready`` on the pipe
+named by ``E31_WORK_ENDED`` and waits
 on the pipe named by ``E31_HAND_OVER``; the worker rents the run's devices only
 then, and its supervisor hands them over there (``CUDA_VISIBLE_DEVICES`` and the
 other device variables, set here before any of the job's own code or the flow's
@@ -129,9 +131,17 @@ def open_api_client(stack: contextlib.ExitStack) -> None:
     from prefect.context import SyncClientContext
     from prefect.settings import PREFECT_API_URL
 
+    stack.enter_context(SyncClientContext.get_or_create())
+    asyncio.run(check_server_version(PREFECT_API_URL.value(), logging.getLogger(__name__), raise_on_error=False))
+
+
+def prepare_api(stack: contextlib.ExitStack) -> None:
+    """What Prefect's engine does first with its API, done before the hand-over (about 0.2 s of a flow
+    run's start): whatever fails here (another Prefect release, an API answering with an error) is
+    left to the engine, after the hand-over, as it would be without this."""
     try:
-        stack.enter_context(SyncClientContext.get_or_create())
-        asyncio.run(check_server_version(PREFECT_API_URL.value(), logging.getLogger(__name__), raise_on_error=False))
+        share_tls_context()
+        open_api_client(stack)
     except Exception:  # noqa: BLE001 -- the engine meets the same error after the hand-over, and reports it
         pass
 
@@ -285,10 +295,9 @@ def main() -> None:
         os.environ["PREFECT_API_URL"] = forward_api(api_socket)
     prepare_engine()
     _say_before_reporting()
-    share_tls_context()
     wait_for_api(os.environ.get("PREFECT_API_URL"))
     with contextlib.ExitStack() as stack:
-        open_api_client(stack)
+        prepare_api(stack)
         if hand_over:
             control = {name: value for name, value in ((WORK_ENDED_VARIABLE, path),
                                                        (API_SOCKET_VARIABLE, api_socket),

@@ -90,13 +90,19 @@ def work_end(ended: datetime, work_ended: datetime | None = None, stop_requested
     return end
 
 
+def tag_seconds(seconds: float) -> str:
+    """Seconds as a tag carries them: whole from 10 s, tenths below (work of 0.4 s did not take 0 s, and
+    what a deployment's runs took is learned from these tags)."""
+    return f"{seconds:.0f}" if seconds >= 10 or seconds == 0 else f"{seconds:.1f}"
+
+
 def tags(meter: Meter, outcome: str | None = None) -> list[str]:
     """The flow run's tags that carry the meter, e.g. ``e31:gpus=2``, ``e31:billed-s=3725``."""
     result = [
         "e31",
         f"e31:gpus={meter.gpus}",
-        f"e31:billed-s={round(meter.billed_seconds)}",
-        f"e31:run-s={round(meter.run_seconds)}",
+        f"e31:billed-s={tag_seconds(meter.billed_seconds)}",
+        f"e31:run-s={tag_seconds(meter.run_seconds)}",
     ]
     if meter.team:
         result.append(f"e31:team={meter.team}")

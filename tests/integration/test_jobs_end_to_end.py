@@ -104,8 +104,8 @@ def test_example_job_runs_end_to_end_with_meter_tags_artifacts_and_events(prefec
     assert run.state.is_completed()
     tags = set(run.tags)
     assert {"e31", "e31:gpus=1", "e31:team=vision"} <= tags
-    billed = int(next(t for t in tags if t.startswith("e31:billed-s=")).split("=")[1])
-    run_s = int(next(t for t in tags if t.startswith("e31:run-s=")).split("=")[1])
+    billed = float(next(t for t in tags if t.startswith("e31:billed-s=")).split("=")[1])
+    run_s = float(next(t for t in tags if t.startswith("e31:run-s=")).split("=")[1])
     assert 0 <= run_s <= billed + 1
 
     found = artifacts_of(run_id)
@@ -226,7 +226,7 @@ def test_time_limit_kills_the_process_group_and_fails_timed_out(prefect_server, 
     out = tmp_path / "slow" / "out"
     assert (out / "partial.txt").read_text() == "written before the limit"
     assert not process_running(int((out / "child.pid").read_text()))
-    billed = int(next(t for t in run.tags if t.startswith("e31:billed-s=")).split("=")[1])
+    billed = float(next(t for t in run.tags if t.startswith("e31:billed-s=")).split("=")[1])
     assert 19 <= billed <= 20 + 2 + 1, "billed past its time limit and grace"
     e31_events(run_id, {"e31.job.timed-out", "e31.job.released"})
 

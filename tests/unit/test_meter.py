@@ -11,6 +11,7 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from e31_prefect.model.meter import STEP_MEANING, STEPS, Meter, table, tags
+from e31_prefect.model.prediction import run_seconds, usable
 
 T0 = datetime(2026, 12, 3, 22, 0, tzinfo=timezone.utc)
 
@@ -155,6 +156,16 @@ def test_tags_round_billed_seconds():
     meter.mark("running", at(0.2))
     meter.mark("run_ended", at(3725.4))
     assert tags(meter)[2:4] == ["e31:billed-s=3725", "e31:run-s=3725"]
+
+
+def test_tags_keep_tenths_of_short_work_so_it_is_learned_from():
+    meter = Meter(gpus=1)
+    meter.mark("rented", at(0))
+    meter.mark("running", at(0.1))
+    meter.mark("run_ended", at(0.46))
+    run_tag = tags(meter)[3]
+    assert tags(meter)[2:4] == ["e31:billed-s=0.5", "e31:run-s=0.4"]
+    assert usable([run_seconds([run_tag])]) == [0.4]
 
 
 def test_tags_of_an_empty_meter():
