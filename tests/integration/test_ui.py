@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from e31_prefect.model.meter import tag_seconds
 from tests.integration.conftest import cli, flow_run_id
 from tests.integration.test_jobs_end_to_end import read_run, write_job
 
@@ -115,7 +116,7 @@ def test_flow_run_page_shows_meter_tags_artifacts_and_events(chromium_path, pref
     billed = meter_line(result.stdout, "total billed")
     tags = [t for t in read_run(run_id).tags if t.startswith("e31")]
     assert {"e31", "e31:gpus=1", "e31:team=vision"} <= set(tags)
-    assert f"e31:billed-s={round(float(billed))}" in tags and any(t.startswith("e31:run-s=") for t in tags)
+    assert f"e31:billed-s={tag_seconds(float(billed))}" in tags and any(t.startswith("e31:run-s=") for t in tags)
 
     ui = prefect_server.removesuffix("/api")
     page = chromium.new_page(viewport={"width": 1600, "height": 1200})
