@@ -80,7 +80,7 @@ def test_the_engine_starts_on_an_api_client_opened_and_checked_before_the_hand_o
 
 def test_a_client_given_its_own_tls_context_keeps_it(prefect_server):
     done = subprocess.run([sys.executable, "-c", textwrap.dedent("""
-        import contextlib, ssl
+        import ssl
         from e31_prefect import job_entry
         from prefect.client.orchestration import SyncPrefectClient
         from prefect.settings import PREFECT_API_URL
