@@ -178,6 +178,7 @@ class CommandRuntime:
 
     name = "process"
     died = endings.PROCESS_DIED
+    loads_before_rent = True
 
     def __init__(self, code: str, problem: str | None = None, before_gate: str = ""):
         self.code = code
@@ -186,9 +187,6 @@ class CommandRuntime:
 
     async def check(self) -> str | None:
         return self.problem
-
-    def starts_before_rent(self, job: Any) -> bool:
-        return True
 
     def spec(self, placement: Placement) -> Spec:
         return placement.spec(self.name, argv=[sys.executable, "-c", self.before_gate + GATE + self.code],
@@ -550,14 +548,13 @@ async def test_a_whole_life_refused_at_admission_sets_its_state_and_bills_nothin
 
 
 class RentFirstRuntime(CommandRuntime):
-    """A runtime whose devices are given as its work is created (a container's GPU device requests)."""
+    """A runtime whose work is the job's code from its start (a container's image): created once rented."""
+
+    loads_before_rent = False
 
     def __init__(self, code: str, seen: dict[str, Any]):
         super().__init__(code)
         self.seen = seen
-
-    def starts_before_rent(self, job: Any) -> bool:
-        return False
 
     def spec(self, placement: Placement) -> Spec:
         self.seen["devices"] = placement.devices  # what it is created with
