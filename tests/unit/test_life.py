@@ -309,6 +309,20 @@ async def test_rent_hands_the_run_back_when_no_device_is_free(tmp_path):
     assert life.folder.holding() is None and "rented" not in life.meter.marks
 
 
+async def test_a_ready_run_whose_planned_device_was_rented_meanwhile_rents_what_is_free_or_goes_back(tmp_path):
+    life = life_for(tmp_path)  # two GPUs
+    life.worker.inventory.plan(life.run_id, [Device(0, "H100")], seconds=60)
+    assert life.worker.inventory.hold(uuid4(), [Device(0, "H100")])  # another run's, while this one loaded
+    assert (await rent_and(life)).devices == [Device(1, "H100")]
+    alone = life_for(tmp_path / "one", gpus=1)
+    alone.worker.inventory.plan(alone.run_id, [Device(0, "H100")], seconds=60)
+    assert alone.worker.inventory.hold(uuid4(), [Device(0, "H100")])
+    ending = await ending_of_async(lambda: rent_and(alone))
+    assert ending.handed_back and not ending.billed
+    assert "when its work was ready" in ending.message and "nothing was billed" in ending.message
+    assert alone.folder.holding() is None and "rented" not in alone.meter.marks
+
+
 async def test_rent_hands_the_run_back_for_later_when_its_quota_is_full(tmp_path):
     life = life_for(tmp_path, quota="full")
     ending = await ending_of_async(lambda: rent_and(life))
