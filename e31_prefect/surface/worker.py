@@ -362,7 +362,7 @@ class E31Worker(BacklogReading, DockerWorker):
 
     def _release_limit_slot(self, flow_run_id: UUID) -> None:
         # Called by Prefect whenever a run stops occupying this worker, including a submission
-        # another worker won: the devices reserved for it go back too, and a claim never lived.
+        # another worker won: the devices planned or held for it go back too, and a claim never lived.
         self.return_devices(flow_run_id)
         self._drop_claim(flow_run_id)
         super()._release_limit_slot(flow_run_id)
