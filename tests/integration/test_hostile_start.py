@@ -215,12 +215,14 @@ def test_a_jobs_interpreter_variables_still_act_after_the_hand_over_and_ordinary
     assert RESTARTED in result.stdout + result.stderr
     assert "LD_PRELOAD, PREFECT_LOGGING_LEVEL, PYTHONPATH" in result.stdout + result.stderr
 
+    # Ordinary variables, more of them than a pipe holds at once (64 KiB): all given at the hand-over, no restart.
     ordinary = tmp_path / "ordinary"
-    write_job(ordinary, """
+    bulk = {f"BULK_{index}": str(index % 10) * 4096 for index in range(20)}
+    write_job(ordinary, f"""
         name: ordinary
-        work: {flow: flow.py:seeded, env: {SEED: "7"}}
-        request: {gpus: 1, max_duration: 5m}
-        output: {to: ./out/, expect: [seed.txt]}
+        work: {{flow: flow.py:seeded, env: {json.dumps({"SEED": "7", **bulk})}}}
+        request: {{gpus: 1, max_duration: 5m}}
+        output: {{to: ./out/, expect: [seed.txt]}}
         """, flow="""
         import os
         from prefect import flow
@@ -228,18 +230,21 @@ def test_a_jobs_interpreter_variables_still_act_after_the_hand_over_and_ordinary
 
         @flow
         def seeded():
-            (output_dir() / "seed.txt").write_text(os.environ["SEED"])
+            bulk = sum(len(value) for name, value in os.environ.items() if name.startswith("BULK_"))
+            (output_dir() / "seed.txt").write_text(f"{os.environ['SEED']} {bulk}")
         """)
     result = cli("e31", "run", str(ordinary / "job.yaml"), "--pool", pool, gpus="1xH100")
     assert result.returncode == 0, result.stdout + result.stderr
-    assert (ordinary / "out" / "seed.txt").read_text() == "7"
+    assert (ordinary / "out" / "seed.txt").read_text() == f"7 {sum(map(len, bulk.values()))}"
     assert RESTARTED not in result.stdout + result.stderr, "a job with only ordinary variables was restarted"
 
 
+@pytest.mark.parametrize("python", ["3.11 and later", "3.10"])
 def test_no_file_in_the_runs_workspace_or_a_user_site_stands_in_for_a_module_before_the_hand_over(
-        prefect_server, tmp_path):
+        prefect_server, tmp_path, python, monkeypatch):
     """The waiting entry's working folder is the run's workspace: neither it nor a user's site folder is on
     its ``sys.path``, where a file named like a module Prefect imports would be imported instead."""
+    from e31_prefect import job_entry
     from e31_prefect.host.ledger import RunFolder
     from e31_prefect.host.settings import E31Settings
     from e31_prefect.model.job import parse_job
@@ -260,7 +265,10 @@ def test_no_file_in_the_runs_workspace_or_a_user_site_stands_in_for_a_module_bef
     folder = RunFolder(tmp_path / "ledger")
     folder.path.mkdir()
     placement = Placement(str(uuid4()), job, [], workspace, folder, configuration, E31Settings(job_users="worker"))
+    if python == "3.10":  # no -P there: the entry's arguments as a Python 3.10 worker gives them, run here
+        monkeypatch.setattr(job_entry, "sys", SimpleNamespace(**{**vars(sys), "version_info": (3, 10, 13)}))
     spec = ProcessRuntime(placement.settings, configuration).spec(placement)
+    assert ("-c" in spec.argv) == (python == "3.10") and "-s" in spec.argv
     for pipe in (folder.work_ended_pipe, folder.hand_over_pipe):
         os.mkfifo(pipe)
     said = os.open(folder.work_ended_pipe, os.O_RDWR | os.O_NONBLOCK)
