@@ -48,8 +48,9 @@ class Work(Protocol):
     def kill(self) -> None:
         """Kill every process of the work, now."""
 
-    def clean_up(self) -> None:
-        """After the end: nothing of the work is left (processes, cgroup, container)."""
+    def clean_up(self) -> datetime:
+        """After the end: nothing of the work is left (processes, cgroup, container). Returns when its last
+        process was gone: from then no process of the job can use its devices."""
 
 
 class ProcessWork:
@@ -145,14 +146,16 @@ class ProcessWork:
             reap(but=None if self._exit else main)  # the main process's status is the run's exit code
             time.sleep(0.01)
 
-    def clean_up(self) -> None:
+    def clean_up(self) -> datetime:
         self.kill()
+        gone = now()
         reap()
         self.group.remove()
         if self._user is not None:  # before the uid goes back (this supervisor's exit): nothing of it stays
             self.record.notes += leftovers.sweep(self._user.uid, leftovers.world_writable())
         with contextlib.suppress(OSError):
             os.close(self._pidfd)
+        return gone
 
     def _everyone(self) -> set[int]:
         return self.group.pids() | _descendants(os.getpid())
@@ -255,10 +258,13 @@ class ContainerWork:
                 action()
                 return
 
-    def clean_up(self) -> None:
+    def clean_up(self) -> datetime:
+        # Docker ends every process of a container with its first: they were gone when it finished.
+        gone = self._exit.at if self._exit is not None else now()
         with contextlib.suppress(Exception):
             self.api.remove_container(self.id, force=True)
         self.client.close()
+        return gone
 
 
 def _docker_time(text: str | None) -> datetime | None:

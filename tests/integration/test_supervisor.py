@@ -14,7 +14,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from datetime import datetime, timedelta
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
@@ -146,22 +146,23 @@ def test_the_work_outlives_its_worker_and_is_still_bounded(tmp_path):
     assert not process_running(int(record.infrastructure))
 
 
-def test_the_meter_ends_where_the_job_said_its_work_was_done(tmp_path):
-    """A job whose engine cannot reach Prefect after its work: its end is the word it sent, not its exit."""
+def test_the_meter_ends_when_the_last_process_is_gone_not_at_the_jobs_word(tmp_path):
+    """A job's word that its flow returned is recorded with its outcome; the work ends when its processes do."""
     script = """
         import os, time
         time.sleep(0.5)
         fd = os.open(os.environ["E31_WORK_ENDED"], os.O_WRONLY | os.O_NONBLOCK)
         os.write(fd, b"completed\\n"); os.close(fd)
-        time.sleep(3)   # the engine, retrying a Prefect API that is down
+        time.sleep(3)   # still running, and so still able to use its devices
     """
     record = finished(tmp_path / "run", start(tmp_path / "run", script, report_grace_seconds=30))
-    assert record.ending == "exited"
+    assert record.ending == "exited" and record.outcome == "completed" and not record.unreported
     assert 0.4 <= seconds_between(record.started, record.work_ended) <= 1.5
-    assert seconds_between(record.work_ended, record.ended) >= 2.5
+    assert seconds_between(record.work_ended, record.ended) >= 2.9
 
 
-def test_a_job_that_says_it_is_done_and_goes_on_is_stopped_after_the_report_grace(tmp_path):
+def test_a_job_that_says_it_is_done_and_goes_on_is_killed_after_the_report_grace(tmp_path):
+    """A forged word at its start: the job is killed at its report grace, and billed to then."""
     script = """
         import os, time
         fd = os.open(os.environ["E31_WORK_ENDED"], os.O_WRONLY | os.O_NONBLOCK)
@@ -170,7 +171,47 @@ def test_a_job_that_says_it_is_done_and_goes_on_is_stopped_after_the_report_grac
     """
     record = finished(tmp_path / "run", start(tmp_path / "run", script, seconds=3600, report_grace_seconds=2))
     assert record.stop_reason == "report-overdue" and record.exit_code == -signal.SIGKILL
+    assert record.ending == "kept-running"
     assert 1.8 <= seconds_between(record.work_ended, record.ended) <= 4
+
+
+@pytest.mark.parametrize("left", ["thread", "child", "atexit"])
+def test_what_a_job_leaves_running_after_its_main_process_is_billed_until_it_is_gone(tmp_path, left):
+    """The main process ends, but something of the job goes on (a setsid child that ignores SIGTERM, a
+    non-daemon thread, an atexit handler): the devices are back, and the bill ends, only when it is gone."""
+    script = {
+        "thread": """
+            import os, sys, threading, time
+            def work():
+                while True:
+                    open(sys.argv[1], "w").write(repr(time.time())); time.sleep(0.01)
+            threading.Thread(target=work).start()
+            time.sleep(1.0)
+            sys.exit(0)   # the interpreter waits for the thread
+        """,
+        "child": """
+            import os, signal, sys, time
+            if os.fork() == 0:
+                os.setsid(); signal.signal(signal.SIGTERM, signal.SIG_IGN)
+                while True:
+                    open(sys.argv[1], "w").write(repr(time.time())); time.sleep(0.01)
+            time.sleep(1.0)
+            os._exit(0)
+        """,
+        "atexit": """
+            import atexit, signal, sys, time
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            def work():
+                while True:
+                    open(sys.argv[1], "w").write(repr(time.time())); time.sleep(0.01)
+            atexit.register(work)
+        """,
+    }[left]
+    alive = tmp_path / "alive"
+    record = finished(tmp_path / "run", start(tmp_path / "run", script, str(alive), seconds=3, grace_seconds=1.0),
+                      timeout=60)
+    last_alive = datetime.fromtimestamp(float(alive.read_text()), tz=timezone.utc)
+    assert last_alive <= datetime.fromisoformat(record.ended), (last_alive, record.ended)
 
 
 def test_the_devices_stay_rented_until_the_supervisor_ends(tmp_path):

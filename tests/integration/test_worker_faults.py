@@ -127,7 +127,6 @@ def accounted_bill(home: Path, run_id: UUID) -> float:
     lines = [json.loads(line) for line in (home / "accounting.jsonl").read_text().splitlines()]
     entry = next(line for line in lines if line["run_id"] == str(run_id))
     end = work_end(datetime.fromisoformat(entry["ended"]),
-                   datetime.fromisoformat(entry["work_ended"]) if entry["work_ended"] else None,
                    datetime.fromisoformat(entry["stop_requested"]) if entry["stop_requested"] else None,
                    entry["grace_seconds"])
     return (end - datetime.fromisoformat(entry["rented"])).total_seconds()
