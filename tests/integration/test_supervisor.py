@@ -21,8 +21,9 @@ import pytest
 
 from e31_prefect.host import cgroups
 from e31_prefect.host.inventory import Device, Inventory
-from e31_prefect.host.ledger import Record, RunFolder, Spec, now, process_running
+from e31_prefect.host.ledger import Holding, Record, RunFolder, Spec, now, process_running
 from e31_prefect.host.supervision import Supervisor, make_hand_over_pipe, make_work_ended_pipe
+from e31_prefect.surface.life_terms import meter_from
 from tests.unit.test_life import GATE  # what e31's job entry does first: say it is ready, wait for its devices
 
 pytestmark = pytest.mark.integration
@@ -175,43 +176,56 @@ def test_a_job_that_says_it_is_done_and_goes_on_is_killed_after_the_report_grace
     assert 1.8 <= seconds_between(record.work_ended, record.ended) <= 4
 
 
+SAY_COMPLETED = """
+import os
+fd = os.open(os.environ["E31_WORK_ENDED"], os.O_WRONLY | os.O_NONBLOCK)
+os.write(fd, b"completed\\n"); os.close(fd)
+"""
+ALIVE = 'print(repr(time.time()), file=open(sys.argv[1], "a"), flush=True); time.sleep(0.01)'
+
+
 @pytest.mark.parametrize("left", ["thread", "child", "atexit"])
-def test_what_a_job_leaves_running_after_its_main_process_is_billed_until_it_is_gone(tmp_path, left):
-    """The main process ends, but something of the job goes on (a setsid child that ignores SIGTERM, a
-    non-daemon thread, an atexit handler): the devices are back, and the bill ends, only when it is gone."""
-    script = {
-        "thread": """
-            import os, sys, threading, time
-            def work():
-                while True:
-                    open(sys.argv[1], "w").write(repr(time.time())); time.sleep(0.01)
-            threading.Thread(target=work).start()
-            time.sleep(1.0)
-            sys.exit(0)   # the interpreter waits for the thread
-        """,
-        "child": """
-            import os, signal, sys, time
-            if os.fork() == 0:
-                os.setsid(); signal.signal(signal.SIGTERM, signal.SIG_IGN)
-                while True:
-                    open(sys.argv[1], "w").write(repr(time.time())); time.sleep(0.01)
-            time.sleep(1.0)
-            os._exit(0)
-        """,
-        "atexit": """
-            import atexit, signal, sys, time
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            def work():
-                while True:
-                    open(sys.argv[1], "w").write(repr(time.time())); time.sleep(0.01)
-            atexit.register(work)
-        """,
+def test_what_a_job_leaves_running_after_its_word_is_billed_until_it_is_gone(tmp_path, left):
+    """The job says its flow returned (as its engine does), but something of it goes on (a non-daemon thread,
+    a setsid child that ignores SIGTERM, an atexit handler that ignores SIGTERM): the bill covers every
+    moment it was alive, to its kill at the report grace."""
+    script = SAY_COMPLETED + {
+        "thread": f"""
+import sys, threading, time
+def work():
+    while True:
+        {ALIVE}
+threading.Thread(target=work).start()
+""",
+        "child": f"""
+import signal, sys, time
+if os.fork() == 0:
+    os.setsid(); signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    while True:
+        {ALIVE}
+time.sleep(0.2)
+""",
+        "atexit": f"""
+import atexit, signal, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+def work():
+    while True:
+        {ALIVE}
+atexit.register(work)
+""",
     }[left]
     alive = tmp_path / "alive"
-    record = finished(tmp_path / "run", start(tmp_path / "run", script, str(alive), seconds=3, grace_seconds=1.0),
-                      timeout=60)
-    last_alive = datetime.fromtimestamp(float(alive.read_text()), tz=timezone.utc)
-    assert last_alive <= datetime.fromisoformat(record.ended), (last_alive, record.ended)
+    record = finished(tmp_path / "run", start(tmp_path / "run", script, str(alive), seconds=3600,
+                                              report_grace_seconds=2), timeout=60)
+    # Each line a moment the job was alive (a line cut short by the kill is no moment).
+    moments = [float(line) for line in alive.read_text().splitlines() if line.count(".") == 1]
+    last_alive = datetime.fromtimestamp(max(moments), tz=timezone.utc)
+    meter = meter_from(Holding(flow_run_id="run", worker_pid=0, worker_started="", job_name="j", devices=[0],
+                               workspace="/nowhere", gpus=1, marks={"rented": record.started}), record, 1.0)
+    assert last_alive <= meter.marks["run_ended"], (last_alive, meter.marks["run_ended"])
+    assert record.outcome == "completed"
+    if left != "child":  # its main process never ended: it said its flow returned and went on
+        assert record.ending == "kept-running"
 
 
 def test_the_devices_stay_rented_until_the_supervisor_ends(tmp_path):
