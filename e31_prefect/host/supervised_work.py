@@ -48,9 +48,12 @@ class Work(Protocol):
     def kill(self) -> None:
         """Kill every process of the work, now."""
 
-    def clean_up(self) -> datetime:
-        """After the end: nothing of the work is left (processes, cgroup, container). Returns when its last
-        process was gone: from then no process of the job can use its devices."""
+    def stop_all(self) -> datetime:
+        """After its main process ended: every process of the work killed. Returns when its last process was
+        gone: from then no process of the job can use its devices."""
+
+    def clean_up(self) -> None:
+        """After the end: nothing of the work is left (processes, cgroup, container, its uid's files)."""
 
 
 class ProcessWork:
@@ -146,16 +149,18 @@ class ProcessWork:
             reap(but=None if self._exit else main)  # the main process's status is the run's exit code
             time.sleep(0.01)
 
-    def clean_up(self) -> datetime:
+    def stop_all(self) -> datetime:
         self.kill()
-        gone = now()
+        return now()
+
+    def clean_up(self) -> None:
+        self.kill()
         reap()
         self.group.remove()
         if self._user is not None:  # before the uid goes back (this supervisor's exit): nothing of it stays
             self.record.notes += leftovers.sweep(self._user.uid, leftovers.world_writable())
         with contextlib.suppress(OSError):
             os.close(self._pidfd)
-        return gone
 
     def _everyone(self) -> set[int]:
         return self.group.pids() | _descendants(os.getpid())
@@ -258,13 +263,14 @@ class ContainerWork:
                 action()
                 return
 
-    def clean_up(self) -> datetime:
+    def stop_all(self) -> datetime:
         # Docker ends every process of a container with its first: they were gone when it finished.
-        gone = self._exit.at if self._exit is not None else now()
+        return self._exit.at if self._exit is not None else now()
+
+    def clean_up(self) -> None:
         with contextlib.suppress(Exception):
             self.api.remove_container(self.id, force=True)
         self.client.close()
-        return gone
 
 
 def _docker_time(text: str | None) -> datetime | None:

@@ -68,7 +68,7 @@ class Control:
         self.sock = sock
         self.buffer = b""
         self.closed = sock is None
-        self.lock_files: list[int] = []  # kept open until the supervisor exits: the devices stay rented
+        self.lock_files: list[int] = []  # kept open until the work's last process is gone: the devices stay rented
 
     def fileno(self) -> int:
         assert self.sock is not None
@@ -96,6 +96,17 @@ class Control:
                 if isinstance(message, dict):
                     messages.append(message)
         return messages
+
+    def release_devices(self) -> None:
+        """Close the devices' lock files (the work's last process is gone: the devices are free on the host),
+        and tell the worker, if it still listens."""
+        for fd in self.lock_files:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.lock_files = []
+        if self.sock is not None:
+            with contextlib.suppress(OSError):
+                self.sock.send(b'{"ended": true}\n', socket.MSG_DONTWAIT)
 
     def first(self) -> dict[str, Any] | None:
         """The first message (waiting for it), or None at an end of file."""
@@ -305,8 +316,9 @@ class Supervisor:
 
     def _finish(self, exit_: Exit) -> None:
         # Whatever the work left behind goes with it (daemons, children of a dead leader); the devices are
-        # back, and the meter stops, when its last process is gone.
-        self.record.ended = self.work.clean_up().isoformat()
+        # back, and the meter stops, when its last process is gone. The record says so at once (the worker
+        # takes the devices back from it); the slower sweep of what the work left on the host comes after.
+        self.record.ended = self.work.stop_all().isoformat()
         self.record.exit_code = exit_.code
         reason = self.record.stop_reason
         if exit_.out_of_memory:
@@ -322,6 +334,11 @@ class Supervisor:
         else:
             self.record.ending = "exited"
         self.save()
+        self.control.release_devices()
+        notes = len(self.record.notes)
+        self.work.clean_up()
+        if len(self.record.notes) != notes:
+            self.save()
         if self.spec.accounting:
             # The host's own account of every run, written by the supervisor as the work ends, whatever
             # becomes of the worker or the Prefect API (as Slurm's accounting keeps what slurmstepd saw).
