@@ -13,9 +13,10 @@ started here unless PREFECT_API_URL is set):
   still writing, an exit handler and a child that ignore SIGTERM).
 
 For each run, against the run's meter (its ``e31-meter`` artifact): **device-visible beyond the bill** =
-the last moment the job wrote minus ``run_ended`` (and its first moment minus ``rented``: job code before the
-rent), and **devices back minus work end** = the first moment the run's GPU lock files can be taken again by
-another process (polled every 2 ms here) minus the moment the flow function returned (written by the job).
+the last moment the job wrote minus ``run_ended`` (and its first moment minus ``rented``: negative would be
+job code before the rent), and **devices back minus work end** = the first moment the run's GPU lock files
+can be taken again by another process (polled every 2 ms here) minus the moment the flow function returned
+(written by the job).
 Median and max of each. Every time is this host's clock.
 """
 
@@ -134,7 +135,7 @@ def run_once(client, deployment_id, output_root: Path, watch: LockWatch) -> dict
     alive, first = moments(output / "alive.txt"), moments(output / "first.txt")
     returned = moments(output / "returned.txt")[0]
     back = watch.all_free_since()
-    return {"beyond_bill": max(alive) - marks["run_ended"], "before_rent": marks["rented"] - first[0],
+    return {"beyond_bill": max(alive) - marks["run_ended"], "after_rent": first[0] - marks["rented"],
             "devices_back": (back - returned) if back else float("nan")}
 
 
@@ -195,7 +196,7 @@ def main() -> None:
     for label, rows in figures.items():
         for key, meaning, goal in (
                 ("beyond_bill", "device-visible beyond the bill (last job moment - run_ended)", "<= 0.3"),
-                ("before_rent", "job code before the rent (rented - first job moment)", "<= 0"),
+                ("after_rent", "first job code after the rent (first job moment - rented)", ">= 0"),
                 ("devices_back", "devices back - flow returned", "median <= 0.5")):
             values = [row[key] for row in rows]
             print(f"  {label:<7} {meaning:<62} {statistics.median(values):7.3f} ({max(values):7.3f})  goal {goal}")

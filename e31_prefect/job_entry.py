@@ -224,9 +224,12 @@ def leave(state: Any, logger: Any = None, unreported: bool = False) -> None:
     elif logger is not None:
         with contextlib.suppress(Exception):
             logger.info(f"Finished in state {state}")  # what Prefect's teardown would have said
-    sending = threading.Thread(target=_send_queued, daemon=True)
-    sending.start()
-    sending.join(LEAVE_SECONDS)
+    deadline = time.monotonic() + LEAVE_SECONDS
+    sending = [threading.Thread(target=_send_queued, args=(kind,), daemon=True) for kind in ("logs", "events")]
+    for thread in sending:
+        thread.start()
+    for thread in sending:
+        thread.join(max(0.0, deadline - time.monotonic()))
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
@@ -234,16 +237,17 @@ def leave(state: Any, logger: Any = None, unreported: bool = False) -> None:
     os._exit(0 if completed else 1)
 
 
-def _send_queued() -> None:
-    """Drain Prefect's log and event workers (what the interpreter's exit would do)."""
+def _send_queued(kind: str) -> None:
+    """Drain Prefect's log or event worker (what the interpreter's exit would do)."""
     with contextlib.suppress(Exception):
-        from prefect.logging.handlers import APILogWorker
+        if kind == "logs":
+            from prefect.logging.handlers import APILogWorker
 
-        APILogWorker.drain_all(timeout=LEAVE_SECONDS)
-    with contextlib.suppress(Exception):
-        from prefect.events.worker import EventsWorker
+            APILogWorker.drain_all(timeout=LEAVE_SECONDS)
+        else:
+            from prefect.events.worker import EventsWorker
 
-        EventsWorker.drain_all(timeout=LEAVE_SECONDS)
+            EventsWorker.drain_all(timeout=LEAVE_SECONDS)
 
 
 def _report_last_state_bounded() -> None:
