@@ -77,7 +77,7 @@ class Spec:
     runtime: str  # "process" or "container"
     stop_at: str | None  # the time limit, absolute (UTC): given at the hand-over (None until then)
     grace_seconds: float = 10.0  # from SIGTERM (or docker stop) to SIGKILL
-    report_grace_seconds: float = 60.0  # how long a job that reported its end may take to report it to Prefect
+    report_grace_seconds: float = 60.0  # how long a job that said its flow returned may take to end
     argv: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     # The job's variables that change how its interpreter starts (PYTHONPATH, LD_PRELOAD ...): given at the
@@ -120,12 +120,18 @@ class Record:
     infrastructure: str | None = None  # the work's pid, or its container id
     ready: str | None = None  # the job's process loaded Prefect and waits for its devices (not billed)
     started: str | None = None  # the devices were handed to the work: it runs the job's own code from here
-    work_ended: str | None = None  # the job reported its work done (before reporting to Prefect)
-    stop_reason: str | None = None  # "time-limit", "stop-requested", "report-overdue"
+    # The job's word that its flow returned, and the outcome it named (its engine says it before reporting
+    # the final state). A word, not a bound: the meter ends when its last process is gone.
+    work_ended: str | None = None
+    outcome: str | None = None  # "completed", "failed", "crashed", "cancelled"
+    unreported: bool = False  # its engine gave up reporting that outcome (the API did not answer): e31 reports it
+    stop_reason: str | None = None  # "time-limit", "stop-requested", "report-overdue", "output-bound"
     stop_requested: str | None = None
     ended: str | None = None  # the work's last process is gone
     exit_code: int | None = None
-    ending: str | None = None  # "exited", "timed-out", "stopped", "out-of-memory", "not-started"
+    # "exited", "timed-out", "stopped", "out-of-memory", "not-started", "output-bound", "kept-running" (said
+    # its flow returned, then did not end within its report grace)
+    ending: str | None = None
     job_user: int | None = None  # the uid the process ran as, where it had one of its own
     message: str | None = None
 

@@ -48,8 +48,12 @@ class Work(Protocol):
     def kill(self) -> None:
         """Kill every process of the work, now."""
 
+    def stop_all(self) -> datetime:
+        """After its main process ended: every process of the work killed. Returns when its last process was
+        gone: from then no process of the job can use its devices."""
+
     def clean_up(self) -> None:
-        """After the end: nothing of the work is left (processes, cgroup, container)."""
+        """After the end: nothing of the work is left (processes, cgroup, container, its uid's files)."""
 
 
 class ProcessWork:
@@ -144,6 +148,10 @@ class ProcessWork:
                     os.kill(pid, signal.SIGKILL)
             reap(but=None if self._exit else main)  # the main process's status is the run's exit code
             time.sleep(0.01)
+
+    def stop_all(self) -> datetime:
+        self.kill()
+        return now()
 
     def clean_up(self) -> None:
         self.kill()
@@ -254,6 +262,10 @@ class ContainerWork:
             with contextlib.suppress(Exception):
                 action()
                 return
+
+    def stop_all(self) -> datetime:
+        # Docker ends every process of a container with its first: they were gone when it finished.
+        return self._exit.at if self._exit is not None else now()
 
     def clean_up(self) -> None:
         with contextlib.suppress(Exception):

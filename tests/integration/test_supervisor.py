@@ -14,15 +14,16 @@ import subprocess
 import sys
 import textwrap
 import time
-from datetime import datetime, timedelta
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
 
 from e31_prefect.host import cgroups
 from e31_prefect.host.inventory import Device, Inventory
-from e31_prefect.host.ledger import Record, RunFolder, Spec, now, process_running
+from e31_prefect.host.ledger import Holding, Record, RunFolder, Spec, now, process_running
 from e31_prefect.host.supervision import Supervisor, make_hand_over_pipe, make_work_ended_pipe
+from e31_prefect.surface.life_terms import meter_from
 from tests.unit.test_life import GATE  # what e31's job entry does first: say it is ready, wait for its devices
 
 pytestmark = pytest.mark.integration
@@ -146,22 +147,23 @@ def test_the_work_outlives_its_worker_and_is_still_bounded(tmp_path):
     assert not process_running(int(record.infrastructure))
 
 
-def test_the_meter_ends_where_the_job_said_its_work_was_done(tmp_path):
-    """A job whose engine cannot reach Prefect after its work: its end is the word it sent, not its exit."""
+def test_the_meter_ends_when_the_last_process_is_gone_not_at_the_jobs_word(tmp_path):
+    """A job's word that its flow returned is recorded with its outcome; the work ends when its processes do."""
     script = """
         import os, time
         time.sleep(0.5)
         fd = os.open(os.environ["E31_WORK_ENDED"], os.O_WRONLY | os.O_NONBLOCK)
         os.write(fd, b"completed\\n"); os.close(fd)
-        time.sleep(3)   # the engine, retrying a Prefect API that is down
+        time.sleep(3)   # still running, and so still able to use its devices
     """
     record = finished(tmp_path / "run", start(tmp_path / "run", script, report_grace_seconds=30))
-    assert record.ending == "exited"
+    assert record.ending == "exited" and record.outcome == "completed" and not record.unreported
     assert 0.4 <= seconds_between(record.started, record.work_ended) <= 1.5
-    assert seconds_between(record.work_ended, record.ended) >= 2.5
+    assert seconds_between(record.work_ended, record.ended) >= 2.9
 
 
-def test_a_job_that_says_it_is_done_and_goes_on_is_stopped_after_the_report_grace(tmp_path):
+def test_a_job_that_says_it_is_done_and_goes_on_is_killed_after_the_report_grace(tmp_path):
+    """A forged word at its start: the job is killed at its report grace, and billed to then."""
     script = """
         import os, time
         fd = os.open(os.environ["E31_WORK_ENDED"], os.O_WRONLY | os.O_NONBLOCK)
@@ -170,7 +172,60 @@ def test_a_job_that_says_it_is_done_and_goes_on_is_stopped_after_the_report_grac
     """
     record = finished(tmp_path / "run", start(tmp_path / "run", script, seconds=3600, report_grace_seconds=2))
     assert record.stop_reason == "report-overdue" and record.exit_code == -signal.SIGKILL
+    assert record.ending == "kept-running"
     assert 1.8 <= seconds_between(record.work_ended, record.ended) <= 4
+
+
+SAY_COMPLETED = """
+import os
+fd = os.open(os.environ["E31_WORK_ENDED"], os.O_WRONLY | os.O_NONBLOCK)
+os.write(fd, b"completed\\n"); os.close(fd)
+"""
+ALIVE = 'print(repr(time.time()), file=open(sys.argv[1], "a"), flush=True); time.sleep(0.01)'
+
+
+@pytest.mark.parametrize("left", ["thread", "child", "atexit"])
+def test_what_a_job_leaves_running_after_its_word_is_billed_until_it_is_gone(tmp_path, left):
+    """The job says its flow returned (as its engine does), but something of it goes on (a non-daemon thread,
+    a setsid child that ignores SIGTERM, an atexit handler that ignores SIGTERM): the bill covers every
+    moment it was alive, to its kill at the report grace."""
+    script = SAY_COMPLETED + {
+        "thread": f"""
+import sys, threading, time
+def work():
+    while True:
+        {ALIVE}
+threading.Thread(target=work).start()
+""",
+        "child": f"""
+import signal, sys, time
+if os.fork() == 0:
+    os.setsid(); signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    while True:
+        {ALIVE}
+time.sleep(0.2)
+""",
+        "atexit": f"""
+import atexit, signal, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+def work():
+    while True:
+        {ALIVE}
+atexit.register(work)
+""",
+    }[left]
+    alive = tmp_path / "alive"
+    record = finished(tmp_path / "run", start(tmp_path / "run", script, str(alive), seconds=3600,
+                                              report_grace_seconds=2), timeout=60)
+    # Each line a moment the job was alive (a line cut short by the kill is no moment).
+    moments = [float(line) for line in alive.read_text().splitlines() if line.count(".") == 1]
+    last_alive = datetime.fromtimestamp(max(moments), tz=timezone.utc)
+    meter = meter_from(Holding(flow_run_id="run", worker_pid=0, worker_started="", job_name="j", devices=[0],
+                               workspace="/nowhere", gpus=1, marks={"rented": record.started}), record, 1.0)
+    assert last_alive <= meter.marks["run_ended"], (last_alive, meter.marks["run_ended"])
+    assert record.outcome == "completed"
+    if left != "child":  # its main process never ended: it said its flow returned and went on
+        assert record.ending == "kept-running"
 
 
 def test_the_devices_stay_rented_until_the_supervisor_ends(tmp_path):
