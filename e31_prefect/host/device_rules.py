@@ -84,10 +84,10 @@ def plan(gpu_minors: Sequence[int] | None, proc_devices: str) -> list[Rule]:
     Raises ValueError for a minor that is no GPU's (a control node's, or out of the driver's range).
     """
     rules = list(BASE)
-    minors = sorted(set(gpu_minors or ()))
-    for minor in minors:
+    for minor in gpu_minors or ():  # from the worker's hand-over message: JSON, checked
         if not isinstance(minor, int) or isinstance(minor, bool) or minor not in GPU_MINORS:
             raise ValueError(f"{minor!r} is not a GPU's minor number (0-{GPU_MINORS[-1]})")
+    minors = sorted(set(gpu_minors or ()))
     if not minors:
         return rules
     rules += [Rule("c", NVIDIA_MAJOR, minor) for minor in minors]
