@@ -7,9 +7,11 @@ control nodes CUDA needs (:meth:`DeviceFence.open_gpus`), then passes the hand-o
 job. The rules are :func:`e31_prefect.host.device_rules.plan`'s; hosts differ in how they hold them:
 
 - cgroup v2: a ``BPF_PROG_TYPE_CGROUP_DEVICE`` program attached to the run's group (as runc and
-  systemd do), loaded here through ``bpf()``; the hand-over attaches the wider program, then
-  detaches the first (both hold for a moment, which only narrows);
-- cgroup v1 ``devices`` (a hybrid host): ``a`` denied, then each rule allowed, in the run's group;
+  systemd do), loaded here through ``bpf()``, after any a group of the same name kept from an earlier
+  run is detached; the hand-over attaches the wider program, then detaches the first (both hold for
+  a moment, which only narrows);
+- cgroup v1 ``devices`` (a hybrid host): ``a`` denied (which also clears what a group of the same
+  name kept from an earlier run), then each rule allowed, in the run's group;
 - neither (no permission, no cgroupfs, ``bpf()`` refused): the run goes on and its record says
   device isolation is not enforced.
 
@@ -29,7 +31,7 @@ from pathlib import Path
 from e31_prefect.host import device_rules
 
 PROC_DEVICES = Path("/proc/devices")
-BPF_PROG_LOAD, BPF_PROG_ATTACH, BPF_PROG_DETACH = 5, 8, 9
+BPF_PROG_LOAD, BPF_PROG_ATTACH, BPF_PROG_DETACH, BPF_PROG_GET_FD_BY_ID, BPF_PROG_QUERY = 5, 8, 9, 13, 16
 BPF_PROG_TYPE_CGROUP_DEVICE, BPF_CGROUP_DEVICE, BPF_F_ALLOW_MULTI = 15, 6, 2
 BPF_SYSCALL = {"x86_64": 321, "aarch64": 280}  # bpf()'s number where e31's GPU hosts run
 ATTR_BYTES = 128  # what the kernel reads of union bpf_attr; the bytes it does not know are zeros
@@ -38,12 +40,16 @@ LICENSE = b"Apache-2.0"
 
 def bpf(command: int, attr: bytes) -> int:
     """The ``bpf()`` system call with ``attr`` (union bpf_attr, zero-padded); its result, or OSError."""
+    return _bpf(command, ctypes.create_string_buffer(attr.ljust(ATTR_BYTES, b"\0"), ATTR_BYTES))
+
+
+def _bpf(command: int, attr: ctypes.Array) -> int:
+    """``bpf()`` on a buffer of ATTR_BYTES, which the kernel may write its answer into."""
     number = BPF_SYSCALL.get(platform.machine())
     if number is None:
         raise OSError(0, f"e31 knows no bpf() system call number for {platform.machine()}")
     libc = ctypes.CDLL(None, use_errno=True)
-    buffer = ctypes.create_string_buffer(attr.ljust(ATTR_BYTES, b"\0"), ATTR_BYTES)
-    result = libc.syscall(ctypes.c_long(number), ctypes.c_int(command), buffer, ctypes.c_uint(ATTR_BYTES))
+    result = libc.syscall(ctypes.c_long(number), ctypes.c_int(command), attr, ctypes.c_uint(ATTR_BYTES))
     if result < 0:
         error = ctypes.get_errno()
         raise OSError(error, os.strerror(error))
@@ -68,6 +74,28 @@ def attach(group: int, program: int) -> None:
 def detach(group: int, program: int) -> None:
     """Detach one device program from a cgroup."""
     bpf(BPF_PROG_DETACH, struct.pack("<III", group, program, BPF_CGROUP_DEVICE))
+
+
+def attached(group: int) -> list[int]:
+    """The ids of the device programs attached to a cgroup itself (not its parents')."""
+    ids = (ctypes.c_uint32 * 64)()
+    answer = ctypes.create_string_buffer(ATTR_BYTES)
+    # target_fd, attach_type, query_flags, attach_flags, prog_ids, prog_cnt (in: room; out: how many)
+    struct.pack_into("<IIIIQI", answer, 0, group, BPF_CGROUP_DEVICE, 0, 0, ctypes.addressof(ids), len(ids))
+    _bpf(BPF_PROG_QUERY, answer)
+    count = struct.unpack_from("<I", answer, 24)[0]
+    return list(ids[:min(count, len(ids))])
+
+
+def detach_all(group: int) -> None:
+    """Detach every device program attached to a cgroup: a group left by an earlier run of the same name
+    (a retried flow run whose group could not be removed) keeps nothing of that run's rules."""
+    for program_id in attached(group):
+        program = bpf(BPF_PROG_GET_FD_BY_ID, struct.pack("<I", program_id))
+        try:
+            detach(group, program)
+        finally:
+            os.close(program)
 
 
 def _reason(exc: OSError) -> str:
@@ -146,6 +174,7 @@ class DeviceFence:
         assert self.v2 is not None
         if self._group < 0:
             self._group = os.open(self.v2, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            detach_all(self._group)
         program = load(rules)
         try:
             attach(self._group, program)

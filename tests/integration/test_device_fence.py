@@ -125,6 +125,27 @@ def test_no_gpu_node_opens_before_the_hand_over_and_exactly_the_rented_ones_afte
                        "elsewhere-nvidia3": EPERM, "null": "opened", "urandom": "opened", "mknod": EPERM}
 
 
+def test_a_group_left_by_an_earlier_run_of_the_same_name_keeps_none_of_its_rules(fenced, tmp_path):
+    """A retried flow run's cgroup has its first try's name; where that group could not be removed, the new
+    fence takes nothing of the old rules, narrower or wider."""
+    way, group, first, nodes = fenced
+    first.close()  # the first try never got its hand-over, and its group stayed: its rules are still on it
+    second = DeviceFence.create(group.v2, group.v1.get("devices"), first.table)
+    second.open_gpus([0, 1, 2, 3])
+    seen = tried(group, nodes, tmp_path / "mine-second")
+    assert [seen[f"nvidia{n}"] for n in range(4)] == ["ENXIO"] * 4, f"the first try's rules held: {seen}"
+    second.close()  # the second try had every GPU, and its group stayed too
+    third = DeviceFence.create(group.v2, group.v1.get("devices"), first.table)
+    try:
+        waiting = tried(group, nodes, tmp_path / "mine-third-waiting")
+        assert {waiting[name] for name in nodes} == {"EPERM"}, f"the second try's GPUs open: {waiting}"
+        third.open_gpus([1, 2])
+        running = tried(group, nodes, tmp_path / "mine-third")
+        assert [running[f"nvidia{n}"] for n in range(4)] == ["EPERM", "ENXIO", "ENXIO", "EPERM"], running
+    finally:
+        third.close()
+
+
 def test_a_host_without_cgroups_says_devices_are_not_fenced(tmp_path):
     group = cgroups.RunGroup.create("fence-none", None, None, cgroups.Mounts())
     fence = DeviceFence.create(group.v2, group.v1.get("devices"))

@@ -17,6 +17,7 @@ import textwrap
 import time
 from datetime import datetime, timedelta
 from pathlib import Path
+from uuid import uuid4
 
 import pytest
 
@@ -179,8 +180,6 @@ def test_a_job_that_says_it_is_done_and_goes_on_is_stopped_after_the_report_grac
 def test_the_devices_stay_rented_until_the_supervisor_ends(tmp_path):
     locks = tmp_path / "locks"
     worker, other = Inventory([Device(0, "H100")], locks), Inventory([Device(0, "H100")], locks)
-    from uuid import uuid4
-
     run = uuid4()
     assert worker.hold(run, worker.devices)
     folder = tmp_path / "run"
@@ -268,11 +267,12 @@ def _device_rules() -> bool:
 def test_the_work_opens_no_gpu_while_it_waits_and_only_its_rented_ones_after_the_hand_over(tmp_path):
     uvm = free_major()
     make_nodes(tmp_path / "dev", uvm)
-    supervisor = start(tmp_path / "run", "json.dump({'waiting': waiting, 'running': opens(sys.argv[1])}, "
+    folder = tmp_path / f"run-{uuid4().hex}"  # its cgroup's name: no other run's, whoever runs tests beside it
+    supervisor = start(folder, "json.dump({'waiting': waiting, 'running': opens(sys.argv[1])}, "
                        "open(sys.argv[2], 'w'))", str(tmp_path / "dev"), str(tmp_path / "seen.json"),
                        before=OPENS + "waiting = opens(sys.argv[1])\n", gpu_minors=(1, 2),
                        device_table=str(devices_table(tmp_path / "devices", uvm)))
-    record = finished(tmp_path / "run", supervisor)
+    record = finished(folder, supervisor)
     assert record.ending == "exited" and record.exit_code == 0, record
     assert record.limits["devices"] is True
     seen = json.loads((tmp_path / "seen.json").read_text())
