@@ -9,8 +9,9 @@ loads Prefect with no device and says ``ready``. The worker then rents and
 hands the devices over on the control socket (their variables, their minor
 numbers, the time limit, their lock files); the supervisor opens those GPUs'
 nodes to the work's cgroup (none open before: :mod:`.device_fence`) and passes
-the variables to the waiting work: the meter starts there. A work that dies while it waits, a cancel, or a worker
-that goes before handing anything over ends the work unbilled ("not-started").
+the variables to the waiting work: the meter starts there. A work that dies
+while it waits, a cancel, or a worker that goes before handing anything over
+ends the work unbilled ("not-started").
 
 From the hand-over on the supervisor outlives the worker: it enforces the time
 limit whether or not the worker lives, stops the work when asked (SIGTERM: the
