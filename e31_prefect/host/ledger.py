@@ -88,6 +88,7 @@ class Spec:
     pids_limit: int | None = None
     container_label: str | None = None  # label=value naming the run's container, if the worker never names it
     cgroups: bool = True  # False: the work's processes are found as the supervisor's descendants only
+    device_table: str = "/proc/devices"  # where the host's character majors are read (nvidia-uvm's is dynamic)
     container_logs: bool = False  # copy the container's output into the run's output log
     rented: str | None = None  # when the devices were rented (given at the hand-over): for the accounting line
     accounting: str | None = None  # the host's accounting file, where the supervisor appends the run's line
@@ -115,7 +116,7 @@ class Record:
     supervisor_pid: int | None = None
     supervisor_started: str | None = None
     cgroup: str | None = None  # the run's cgroup v2 folder, if it had one
-    limits: dict[str, bool] = field(default_factory=dict)  # which request limits the host enforced
+    limits: dict[str, bool] = field(default_factory=dict)  # which request limits (and device rules) held
     notes: list[str] = field(default_factory=list)
     infrastructure: str | None = None  # the work's pid, or its container id
     ready: str | None = None  # the job's process loaded Prefect and waits for its devices (not billed)

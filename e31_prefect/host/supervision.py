@@ -118,11 +118,12 @@ class Supervisor:
         self._say({"container": container_id})
 
     def hand_over(self, env: dict[str, str], stop_at: datetime | None, rented: datetime,
-                  lock_files: Sequence[int]) -> None:
-        """Hand the rented devices to the work: their variables, the time limit, and their lock files (the
-        supervisor holds the devices from now on, whatever becomes of this worker)."""
+                  lock_files: Sequence[int], gpu_minors: Sequence[int] = ()) -> None:
+        """Hand the rented devices to the work: their variables, their minor numbers (the nodes its supervisor
+        opens to it), the time limit, and their lock files (the supervisor holds the devices from now on,
+        whatever becomes of this worker)."""
         self._say({"hand_over": {"env": env, "stop_at": stop_at.isoformat() if stop_at else None,
-                                 "rented": rented.isoformat()}}, lock_files)
+                                 "rented": rented.isoformat(), "gpu_minors": list(gpu_minors)}}, lock_files)
         self.told, self.control = self.control, None
 
     def let_go(self) -> None:

@@ -6,10 +6,12 @@ The worker starts one supervisor per run, in a session of its own, before
 renting. The supervisor starts the work (a process in the run's cgroup, or a
 container the worker created and names on its control socket, stdin), which
 loads Prefect with no device and says ``ready``. The worker then rents and
-hands the devices over on the control socket (their variables, the time limit,
-their lock files); the supervisor passes the variables to the waiting work:
-the meter starts there. A work that dies while it waits, a cancel, or a worker
-that goes before handing anything over ends the work unbilled ("not-started").
+hands the devices over on the control socket (their variables, their minor
+numbers, the time limit, their lock files); the supervisor opens those GPUs'
+nodes to the work's cgroup (none open before: :mod:`.device_fence`) and passes
+the variables to the waiting work: the meter starts there. A work that dies
+while it waits, a cancel, or a worker that goes before handing anything over
+ends the work unbilled ("not-started").
 
 From the hand-over on the supervisor outlives the worker: it enforces the time
 limit whether or not the worker lives, stops the work when asked (SIGTERM: the
@@ -214,6 +216,11 @@ class Supervisor:
                 return False
             if handed is not None and self.record.ready is not None:
                 break
+        try:  # the rented GPUs' nodes open to the work before it hears of them (host/device_fence.py)
+            self.record.notes += self.work.open_devices(list(handed.get("gpu_minors") or []))
+        except (OSError, ValueError) as exc:
+            self.record.message = f"the rented GPUs could not be opened to the job's processes: {exc}"
+            return False
         with contextlib.suppress(OSError):  # a job that closed its end gets its variables nowhere: it ends
             os.write(gate, json.dumps({"env": {**self.spec.hand_over_env, **(handed.get("env") or {})}}).encode()
                      + b"\n")
