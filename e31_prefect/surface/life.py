@@ -406,11 +406,10 @@ class JobLife(Sending, Watching):
         assert self.holding is not None
         self.holding.stop_at = stop_at.isoformat() if stop_at else None
         self._save()  # before the hand-over: a worker that dies next leaves a run its adopter resumes
-        given = hand_over_environment(rental.devices, self.worker.settings.report_seconds)
-        supervisor.hand_over(given, stop_at, self.meter.marks["rented"], self.worker.inventory.lock_files(self.run_id),
+        supervisor.hand_over(hand_over_environment(rental.devices, self.worker.settings.report_seconds), stop_at,
+                             self.meter.marks["rented"], self.worker.inventory.lock_files(self.run_id),
                              gpu_minors(rental.devices))
-        self.report.step("rented", rental.devices, gpus=len(rental.devices),
-                         devices=[d.index for d in rental.devices])
+        self.report.step("rented", rental.devices, gpus=len(rental.devices), devices=[d.index for d in rental.devices])
         record = await supervisor.started()
         if record.started:
             self._on_started(record)
