@@ -322,7 +322,6 @@ def main() -> None:
         entry = json.loads(line)
         if entry.get("rented") and entry.get("ended"):
             end = work_end(datetime.fromisoformat(entry["ended"]),
-                           datetime.fromisoformat(entry["work_ended"]) if entry.get("work_ended") else None,
                            datetime.fromisoformat(entry["stop_requested"]) if entry.get("stop_requested") else None,
                            entry.get("grace_seconds", 0.0))
             accounted[entry["run_id"]] = (end - datetime.fromisoformat(entry["rented"])).total_seconds()

@@ -18,10 +18,15 @@ starts again with them: :func:`start_again_with`). The meter starts at the
 hand-over, so no team pays for Prefect's start-up.
 
 Then it runs ``prefect.engine`` exactly as ``python -m prefect.engine`` does, with
-one addition: just before the engine reports the flow run's final state to the
-Prefect API, it writes the outcome to the ``E31_WORK_ENDED`` pipe. The run's
-supervisor stops the meter there, so time the engine then spends reaching an
-API that is down is billed to nobody.
+two additions at the top flow run's last state. Just before the engine reports it,
+the entry names the outcome on the ``E31_WORK_ENDED`` pipe (the flow returned); the
+report is bounded (``E31_REPORT_SECONDS``: an API that does not answer leaves it to
+the worker, and the entry says ``unreported``). Once it is reported (and the flow's
+hooks ran), the entry sends the logs and events still queued and leaves at once:
+Prefect's teardown after the final state (its heartbeat thread's join, about a
+second) and anything the job left running (threads, ``atexit`` handlers) would
+otherwise hold the run's devices. The supervisor stops the meter when the last
+process is gone, whatever the job says on the pipe.
 
 A sharded command's shards start at the hand-over, before the engine loads the
 flow, where the worker said what they run (:func:`start_shards`).
@@ -33,6 +38,7 @@ installed): this file must run in images that do not have e31-prefect installed.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import importlib
 import json
 import os
@@ -50,6 +56,11 @@ HAND_OVER_VARIABLE = "E31_HAND_OVER"  # the pipe the supervisor hands the run's 
 SHARDS_VARIABLE = "E31_SHARDS"  # a sharded job's settings (e31_prefect.model.shards)
 API_SOCKET_VARIABLE = "E31_API_SOCKET"  # the run's gateway to the Prefect API (see e31_prefect.host.gateway)
 READY = "ready"  # the entry's first word to its supervisor: Prefect is loaded, hand the devices over
+OUTCOMES = ("completed", "failed", "crashed", "cancelled")  # its word as the flow returns: the state it reports
+UNREPORTED = "unreported"  # its last word where the API did not take that state in time: the worker reports it
+REPORT_SECONDS_VARIABLE = "E31_REPORT_SECONDS"  # how long the last state's report may take (set by the worker)
+REPORT_SECONDS = 5.0
+LEAVE_SECONDS = 2.0  # how long the logs and events still queued may take to send as the entry leaves
 # Variables that act only as an interpreter, or a library it loads, starts: Python's own, the dynamic loader's,
 # Prefect's settings (read as Prefect is imported), OpenSSL's configuration, glibc's, the locale and time zone.
 # Where the hand-over gives any a new value, the entry starts again with them (its Prefect load then billed), so
@@ -66,6 +77,8 @@ ENGINE_MODULES = ("prefect.engine", "prefect.flow_engine", "prefect._internal.me
                   "pydantic.v1", "anyio._backends._asyncio", "rich._emoji_codes", "e31_prefect",
                   "prefect.deployments.steps.pull", "prefect.deployments.steps.utility")
 _pipe: list[str] = []  # where to say it; taken out of the environment, so the flow's own code never sees it
+_said: list[str] = []  # the outcome said, once
+_reporting_last: list[bool] = []  # set while the engine reports the top flow run's last state
 
 
 def say(word: str) -> None:
@@ -85,10 +98,10 @@ def say(word: str) -> None:
 
 
 def say_work_ended(outcome: str) -> None:
-    """Tell the supervisor the work is done (once)."""
-    if _pipe:
+    """Tell the supervisor the flow returned, with its outcome (once)."""
+    if not _said:
         say(outcome)
-        _pipe.clear()
+        _said.append(outcome)
 
 
 def prepare_engine() -> None:
@@ -216,30 +229,145 @@ def is_last_state(engine: Any, state: Any) -> bool:
     return True
 
 
+def report_seconds() -> float:
+    """How long the last state's report may take, as the worker set it."""
+    try:
+        return max(0.0, float(os.environ.get(REPORT_SECONDS_VARIABLE, REPORT_SECONDS)))
+    except ValueError:
+        return REPORT_SECONDS
+
+
+def unanswered(error: BaseException) -> bool:
+    """Whether a report failed for want of an API (unreachable, overloaded), not for what it said."""
+    import httpx
+
+    if isinstance(error, httpx.HTTPStatusError):
+        return error.response.status_code >= 500 or error.response.status_code == 429
+    return isinstance(error, (httpx.TransportError, TimeoutError))
+
+
+def leave(state: Any, logger: Any = None, unreported: bool = False) -> None:
+    """End this process now, the flow's last state reported (or given up on): what Prefect still has
+    queued (logs, events) is sent, for at most ``LEAVE_SECONDS``, and nothing else of the job goes on."""
+    if unreported:
+        say(UNREPORTED)
+    elif logger is not None:
+        with contextlib.suppress(Exception):
+            logger.info(f"Finished in state {state}")  # what Prefect's teardown would have said
+    deadline = time.monotonic() + LEAVE_SECONDS
+    sending = [threading.Thread(target=_send_queued, args=(kind,), daemon=True) for kind in ("logs", "events")]
+    for thread in sending:
+        thread.start()
+    for thread in sending:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    completed = getattr(getattr(state, "type", None), "value", "") == "COMPLETED"
+    os._exit(0 if completed else 1)
+
+
+def _send_queued(kind: str) -> None:
+    """Drain Prefect's log or event worker (what the interpreter's exit would do)."""
+    with contextlib.suppress(Exception):
+        if kind == "logs":
+            from prefect.logging.handlers import APILogWorker
+
+            APILogWorker.drain_all(timeout=LEAVE_SECONDS)
+        else:
+            from prefect.events.worker import EventsWorker
+
+            EventsWorker.drain_all(timeout=LEAVE_SECONDS)
+
+
+def _report_last_state_bounded() -> None:
+    """Bound the report of the top flow run's last state: where the API does not take it within
+    :func:`report_seconds`, the entry leaves, saying so (the worker reports that outcome once it answers)."""
+    import asyncio
+
+    from prefect import flow_engine
+
+    propose_sync = getattr(flow_engine, "propose_state_sync", None)
+    propose_async = getattr(flow_engine, "propose_state", None)
+    if propose_sync is not None:
+        def propose_state_sync(client: Any, state: Any, *args: Any, **kwargs: Any) -> Any:
+            if not _reporting_last:
+                return propose_sync(client, state, *args, **kwargs)
+            done: dict[str, Any] = {}
+
+            def report() -> None:
+                try:
+                    done["state"] = propose_sync(client, state, *args, **kwargs)
+                except BaseException as exc:  # noqa: BLE001 -- handed to the engine's thread below
+                    done["error"] = exc
+
+            reporting = threading.Thread(target=contextvars.copy_context().run, args=(report,), daemon=True)
+            reporting.start()
+            reporting.join(report_seconds())
+            if "state" in done:
+                return done["state"]
+            error = done.get("error", TimeoutError())
+            if unanswered(error):
+                leave(state, unreported=True)
+            raise error
+
+        flow_engine.propose_state_sync = propose_state_sync
+    if propose_async is not None:
+        async def propose_state(client: Any, state: Any, *args: Any, **kwargs: Any) -> Any:
+            if not _reporting_last:
+                return await propose_async(client, state, *args, **kwargs)
+            try:
+                return await asyncio.wait_for(propose_async(client, state, *args, **kwargs), report_seconds())
+            except Exception as exc:
+                if unanswered(exc):
+                    leave(state, unreported=True)
+                raise
+
+        flow_engine.propose_state = propose_state
+
+
 def _say_before_reporting() -> None:
-    """Make both of Prefect's flow engines say the work ended before they report the final state."""
+    """Make both of Prefect's flow engines say the flow returned before they report its last state,
+    bound that report, and leave once it is reported (and the flow's hooks ran)."""
     try:
         from prefect import flow_engine
     except ImportError:
         return
+    _report_last_state_bounded()
     sync_engine = getattr(flow_engine, "FlowRunEngine", None)
     async_engine = getattr(flow_engine, "AsyncFlowRunEngine", None)
     if sync_engine is not None and hasattr(sync_engine, "set_state"):
         reporting = sync_engine.set_state
 
         def set_state(self: Any, state: Any, *args: Any, **kwargs: Any) -> Any:
-            if is_last_state(self, state):
-                say_work_ended(state.type.value.lower())
-            return reporting(self, state, *args, **kwargs)
+            if not is_last_state(self, state):
+                return reporting(self, state, *args, **kwargs)
+            say_work_ended(state.type.value.lower())
+            _reporting_last.append(True)
+            try:
+                reported = reporting(self, state, *args, **kwargs)
+            finally:
+                _reporting_last.clear()
+            if reported.is_final():
+                leave(reported, self.logger)
+            return reported
 
         sync_engine.set_state = set_state
     if async_engine is not None and hasattr(async_engine, "set_state"):
         reporting_async = async_engine.set_state
 
         async def set_state_async(self: Any, state: Any, *args: Any, **kwargs: Any) -> Any:
-            if is_last_state(self, state):
-                say_work_ended(state.type.value.lower())
-            return await reporting_async(self, state, *args, **kwargs)
+            if not is_last_state(self, state):
+                return await reporting_async(self, state, *args, **kwargs)
+            say_work_ended(state.type.value.lower())
+            _reporting_last.append(True)
+            try:
+                reported = await reporting_async(self, state, *args, **kwargs)
+            finally:
+                _reporting_last.clear()
+            if reported.is_final():
+                leave(reported, self.logger)
+            return reported
 
         async_engine.set_state = set_state_async
 

@@ -10,7 +10,8 @@ Hosts differ, so the group is made of what the host has:
 - cgroup v2 (``cgroup2`` mount): membership, ``cgroup.kill``, and memory and pids
   limits where those controllers can be enabled under ``<mount>/e31``;
 - cgroup v1 ``memory`` and ``pids`` hierarchies (a hybrid host): the limits, and
-  membership where v2 is absent;
+  membership where v2 is absent; a v1 ``devices`` hierarchy: the run's device rules
+  (:mod:`e31_prefect.host.device_fence`, which also fences a v2 group);
 - none (no permission, no cgroupfs): membership is the supervisor's descendants,
   which it finds as the child subreaper they are reparented to.
 
@@ -29,6 +30,7 @@ from pathlib import Path
 
 E31_FOLDER = "e31"
 _V1_LIMITS = ("memory", "pids")
+_V1_CONTROLLERS = (*_V1_LIMITS, "devices")  # devices: the run's device rules, set by device_fence
 
 
 @dataclass(frozen=True)
@@ -52,7 +54,7 @@ def read_mounts(mountinfo: str) -> Mounts:
         if kind == "cgroup2" and v2 is None:
             v2 = mount_point
         elif kind == "cgroup":
-            for controller in _V1_LIMITS:
+            for controller in _V1_CONTROLLERS:
                 if controller in options:
                     v1.setdefault(controller, mount_point)
     return Mounts(v2, v1)
@@ -101,13 +103,13 @@ class RunGroup:
                     limits[controller] = _apply(v2, "v2", controller, memory_bytes, pids_limit, why)
         v1: dict[str, Path] = {}
         for controller, mount in mounts.v1.items():
-            if limits[controller] or not wanted[controller] and v2 is not None:
+            if controller in limits and (limits[controller] or not wanted[controller] and v2 is not None):
                 continue  # v2 holds it, or nothing asks for it and v2 already tracks membership
             made = _make(mount / E31_FOLDER / name, why)
             if made is None:
                 continue
             v1[controller] = made
-            if wanted[controller]:
+            if wanted.get(controller):
                 limits[controller] = _apply(made, "v1", controller, memory_bytes, pids_limit, why)
         for controller, on in wanted.items():
             if on and not limits[controller]:

@@ -23,8 +23,9 @@ import stat
 import threading
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 from uuid import UUID
 
 from e31_prefect.host.filelocks import try_lock
@@ -36,11 +37,14 @@ _REPEAT = re.compile(r"^(\d+)\s*[xX]\s*(\S.*)$")
 
 @dataclass(frozen=True, order=True)
 class Device:
-    """One GPU: its index on the host (as NVML and CUDA_VISIBLE_DEVICES count) and its model name."""
+    """One GPU: its index on the host (as NVML and CUDA_VISIBLE_DEVICES count), its model name, and the minor
+    number of its node ``/dev/nvidia<minor>`` where NVML told it (another count than the index: None means
+    the index is the minor, as in a declared inventory)."""
 
     index: int
     name: str
     uuid: str | None = None
+    minor: int | None = field(default=None, compare=False)
 
 
 class InventoryError(ValueError):
@@ -87,10 +91,18 @@ def discover_nvml() -> list[Device]:
         for index in range(pynvml.nvmlDeviceGetCount()):
             handle = pynvml.nvmlDeviceGetHandleByIndex(index)
             devices.append(Device(index, _text(pynvml.nvmlDeviceGetName(handle)),
-                                  _text(pynvml.nvmlDeviceGetUUID(handle))))
+                                  _text(pynvml.nvmlDeviceGetUUID(handle)), _minor(pynvml, handle)))
         return devices
     finally:
         pynvml.nvmlShutdown()
+
+
+def _minor(pynvml: Any, handle: Any) -> int | None:
+    """The GPU's node's minor number (``/dev/nvidia<minor>``); None where NVML cannot tell (the index then)."""
+    try:
+        return int(pynvml.nvmlDeviceGetMinorNumber(handle))
+    except pynvml.NVMLError:
+        return None
 
 
 def _text(value: str | bytes) -> str:
@@ -329,6 +341,11 @@ class Inventory:
 
     def _held(self, flow_run_id: UUID) -> list[Device]:
         return sorted(d for d, holder in self._holder.items() if holder == flow_run_id)
+
+
+def gpu_minors(devices: Sequence[Device]) -> list[int]:
+    """The minor numbers of the devices' nodes, which a run's supervisor opens to its work at the hand-over."""
+    return [device.index if device.minor is None else device.minor for device in devices]
 
 
 def visible_devices_env(devices: Sequence[Device]) -> dict[str, str]:

@@ -77,7 +77,7 @@ class Spec:
     runtime: str  # "process" or "container"
     stop_at: str | None  # the time limit, absolute (UTC): given at the hand-over (None until then)
     grace_seconds: float = 10.0  # from SIGTERM (or docker stop) to SIGKILL
-    report_grace_seconds: float = 60.0  # how long a job that reported its end may take to report it to Prefect
+    report_grace_seconds: float = 60.0  # how long a job that said its flow returned may take to end
     argv: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     # The job's own variables (its deployment's and its work.env, its dirs): given at the hand-over, so nothing
@@ -89,6 +89,7 @@ class Spec:
     pids_limit: int | None = None
     container_label: str | None = None  # label=value naming the run's container, if the worker never names it
     cgroups: bool = True  # False: the work's processes are found as the supervisor's descendants only
+    device_table: str = "/proc/devices"  # where the host's character majors are read (nvidia-uvm's is dynamic)
     container_logs: bool = False  # copy the container's output into the run's output log
     rented: str | None = None  # when the devices were rented (given at the hand-over): for the accounting line
     accounting: str | None = None  # the host's accounting file, where the supervisor appends the run's line
@@ -116,17 +117,23 @@ class Record:
     supervisor_pid: int | None = None
     supervisor_started: str | None = None
     cgroup: str | None = None  # the run's cgroup v2 folder, if it had one
-    limits: dict[str, bool] = field(default_factory=dict)  # which request limits the host enforced
+    limits: dict[str, bool] = field(default_factory=dict)  # which request limits (and device rules) held
     notes: list[str] = field(default_factory=list)
     infrastructure: str | None = None  # the work's pid, or its container id
     ready: str | None = None  # the job's process loaded Prefect and waits for its devices (not billed)
     started: str | None = None  # the devices were handed to the work: it runs the job's own code from here
-    work_ended: str | None = None  # the job reported its work done (before reporting to Prefect)
-    stop_reason: str | None = None  # "time-limit", "stop-requested", "report-overdue"
+    # The job's word that its flow returned, and the outcome it named (its engine says it before reporting
+    # the final state). A word, not a bound: the meter ends when its last process is gone.
+    work_ended: str | None = None
+    outcome: str | None = None  # "completed", "failed", "crashed", "cancelled"
+    unreported: bool = False  # its engine gave up reporting that outcome (the API did not answer): e31 reports it
+    stop_reason: str | None = None  # "time-limit", "stop-requested", "report-overdue", "output-bound"
     stop_requested: str | None = None
     ended: str | None = None  # the work's last process is gone
     exit_code: int | None = None
-    ending: str | None = None  # "exited", "timed-out", "stopped", "out-of-memory", "not-started"
+    # "exited", "timed-out", "stopped", "out-of-memory", "not-started", "output-bound", "kept-running" (said
+    # its flow returned, then did not end within its report grace)
+    ending: str | None = None
     job_user: int | None = None  # the uid the process ran as, where it had one of its own
     message: str | None = None
 

@@ -72,8 +72,15 @@ class E31Settings(BaseSettings):
     )
     report_grace_seconds: float = Field(
         default=60.0,
-        description="After a job says its work is done, how long its engine may take to report to the Prefect "
-        "API before its supervisor stops it (the meter stopped when the work was done).",
+        description="After a job's engine says its flow returned, how long the job may take to report it and end "
+        "(its hooks run then) before its supervisor kills it and the run ends KeptRunning. Billed: the meter "
+        "stops when the job's last process is gone.",
+    )
+    report_seconds: float = Field(
+        default=5.0, ge=0,
+        description="How long a job's engine may take to report its flow's last state to the Prefect API before "
+        "it leaves and e31 reports that state once the API answers: what an API that is down at the end of a run "
+        "costs a team, at most.",
     )
     watch_seconds: float = Field(
         default=2.0, description="How often a running run's state is read, to stop it when cancelled."

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from e31_prefect.host import cgroups, job_users, leftovers, sandbox
+from e31_prefect.host.device_fence import DeviceFence
 from e31_prefect.host.ledger import Record, RunFolder, Spec, now
 
 
@@ -48,8 +49,16 @@ class Work(Protocol):
     def kill(self) -> None:
         """Kill every process of the work, now."""
 
+    def stop_all(self) -> datetime:
+        """After its main process ended: every process of the work killed. Returns when its last process was
+        gone: from then no process of the job can use its devices."""
+
+    def open_devices(self, minors: list[int]) -> list[str]:
+        """At the hand-over, before the work hears of it: open the rented GPUs (their minor numbers) to it;
+        what to tell the operator. Raises OSError where they could not be opened."""
+
     def clean_up(self) -> None:
-        """After the end: nothing of the work is left (processes, cgroup, container)."""
+        """After the end: nothing of the work is left (processes, cgroup, container, its uid's files)."""
 
 
 class ProcessWork:
@@ -63,8 +72,10 @@ class ProcessWork:
         self.group = cgroups.RunGroup.create(f"run-{spec.run_id}", spec.memory_bytes, spec.pids_limit,
                                              None if spec.cgroups else cgroups.Mounts())
         record.cgroup = str(self.group.v2) if self.group.v2 else None
-        record.limits = dict(self.group.limits)
-        record.notes += self.group.why
+        # No GPU node opens to the work until its hand-over, from its first instruction on.
+        self.fence = DeviceFence.create(self.group.v2, self.group.v1.get("devices"), Path(spec.device_table))
+        record.limits = {**self.group.limits, "devices": self.fence.enforced}
+        record.notes += self.group.why + self.fence.why
         self.process: subprocess.Popen[bytes] | None = None
         self._user: job_users.JobUser | None = None
         self._pidfd = -1
@@ -111,6 +122,9 @@ class ProcessWork:
         self.record.job_user = user.uid
         return user.uid
 
+    def open_devices(self, minors: list[int]) -> list[str]:
+        return self.fence.open_gpus(minors)
+
     def fileno(self) -> int:
         return self._pidfd
 
@@ -145,10 +159,15 @@ class ProcessWork:
             reap(but=None if self._exit else main)  # the main process's status is the run's exit code
             time.sleep(0.01)
 
+    def stop_all(self) -> datetime:
+        self.kill()
+        return now()
+
     def clean_up(self) -> None:
         self.kill()
         reap()
         self.group.remove()
+        self.fence.close()
         if self._user is not None:  # before the uid goes back (this supervisor's exit): nothing of it stays
             self.record.notes += leftovers.sweep(self._user.uid, leftovers.world_writable())
         with contextlib.suppress(OSError):
@@ -215,6 +234,9 @@ class ContainerWork:
                 time.sleep(1)
         os.write(self._write, b"x")
 
+    def open_devices(self, minors: list[int]) -> list[str]:
+        return []  # Docker gave the container its devices as it created it (device requests)
+
     def fileno(self) -> int:
         return self._read
 
@@ -254,6 +276,10 @@ class ContainerWork:
             with contextlib.suppress(Exception):
                 action()
                 return
+
+    def stop_all(self) -> datetime:
+        # Docker ends every process of a container with its first: they were gone when it finished.
+        return self._exit.at if self._exit is not None else now()
 
     def clean_up(self) -> None:
         with contextlib.suppress(Exception):

@@ -67,6 +67,7 @@ class Supervisor:
         self.folder = folder
         self.process = process
         self.control = control  # the worker's end of the control socket, until the hand-over
+        self.told: socket.socket | None = None  # the same socket from the hand-over on: where the work's end is told
 
     @classmethod
     async def start(cls, folder: RunFolder, spec: Spec) -> Supervisor:
@@ -117,12 +118,13 @@ class Supervisor:
         self._say({"container": container_id})
 
     def hand_over(self, env: dict[str, str], stop_at: datetime | None, rented: datetime,
-                  lock_files: Sequence[int]) -> None:
-        """Hand the rented devices to the work: their variables, the time limit, and their lock files (the
-        supervisor holds the devices from now on, whatever becomes of this worker)."""
+                  lock_files: Sequence[int], gpu_minors: Sequence[int] = ()) -> None:
+        """Hand the rented devices to the work: their variables, their minor numbers (the nodes its supervisor
+        opens to it), the time limit, and their lock files (the supervisor holds the devices from now on,
+        whatever becomes of this worker)."""
         self._say({"hand_over": {"env": env, "stop_at": stop_at.isoformat() if stop_at else None,
-                                 "rented": rented.isoformat()}}, lock_files)
-        self.let_go()
+                                 "rented": rented.isoformat(), "gpu_minors": list(gpu_minors)}}, lock_files)
+        self.told, self.control = self.control, None
 
     def let_go(self) -> None:
         """Close the control socket: a supervisor not handed its devices yet ends its work, unbilled."""
@@ -163,12 +165,34 @@ class Supervisor:
                 os.kill(record.supervisor_pid, signal.SIGTERM)
 
     async def wait(self) -> Record | None:
-        """The supervisor's record once it has exited (None if it left none)."""
-        if self.process is not None:
-            await self.process.wait()
-        else:
-            await self._wait_adopted()
+        """The supervisor's record once the work has ended (its last process gone, its devices free: the
+        supervisor says so on its control socket, and may still be sweeping what the work left on the host),
+        or once the supervisor exited (None if it left no record)."""
+        waits = [asyncio.ensure_future(self.process.wait() if self.process is not None else self._wait_adopted())]
+        if self.told is not None:
+            waits.append(asyncio.ensure_future(self._told_ended(self.told)))
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiting in waits:
+                waiting.cancel()
+            await asyncio.gather(*waits, return_exceptions=True)
+            if self.told is not None:
+                self.told.close()
+                self.told = None
         return self.folder.record()
+
+    async def _told_ended(self, told: socket.socket) -> None:
+        """Until the supervisor says the work ended (a line), or closes its end (it exited)."""
+        told.setblocking(False)
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                data = await loop.sock_recv(told, 4096)
+            except OSError:
+                return
+            if not data or b"ended" in data:
+                return
 
     async def _wait_adopted(self) -> None:
         record = self.folder.record()

@@ -6,10 +6,12 @@ The worker starts one supervisor per run, in a session of its own, before
 renting. The supervisor starts the work (a process in the run's cgroup, or a
 container the worker created and names on its control socket, stdin), which
 loads Prefect with no device and says ``ready``. The worker then rents and
-hands the devices over on the control socket (their variables, the time limit,
-their lock files); the supervisor passes the variables to the waiting work:
-the meter starts there. A work that dies while it waits, a cancel, or a worker
-that goes before handing anything over ends the work unbilled ("not-started").
+hands the devices over on the control socket (their variables, their minor
+numbers, the time limit, their lock files); the supervisor opens those GPUs'
+nodes to the work's cgroup (none open before: :mod:`.device_fence`) and passes
+the variables to the waiting work: the meter starts there. A work that dies
+while it waits, a cancel, or a worker that goes before handing anything over
+ends the work unbilled ("not-started").
 
 From the hand-over on the supervisor outlives the worker: it enforces the time
 limit whether or not the worker lives, stops the work when asked (SIGTERM: the
@@ -19,10 +21,13 @@ said its work was done, when it ended and how. It holds the run's device locks
 (handed over by the worker), so the devices stay rented exactly as long as the
 work can use them.
 
-The job's own entry (:mod:`e31_prefect.job_entry`) writes to the ``work-ended``
-pipe when the flow's function returns, before the engine reports to the
-Prefect API: the meter stops there, so an API that is down at the end of a run
-is billed to nobody. The job then has ``report_grace_seconds`` to report and exit.
+The meter ends when the devices come back: when the work's last process is gone
+(every descendant killed once its main process ends), never at a word the job
+writes. The job's own entry (:mod:`e31_prefect.job_entry`) writes to the
+``work-ended`` pipe when the flow returns, naming its outcome, and leaves once
+the engine has reported it; from that word the job has ``report_grace_seconds``
+to end, or it is killed and its run ends as having kept running. The word is
+only ever the job's claim: it shortens the job's time, it never stops its bill.
 
 Only the standard library (and the Docker client for containers): it starts in
 milliseconds, and every second between renting and starting is billed.
@@ -49,7 +54,7 @@ from e31_prefect.host import fdtree
 from e31_prefect.host.gateway import Gateway, auth_header
 from e31_prefect.host.ledger import Record, RunFolder, Spec, append_line, moment, now, this_process
 from e31_prefect.host.supervised_work import ContainerWork, Exit, ProcessWork, Work
-from e31_prefect.job_entry import READY
+from e31_prefect.job_entry import OUTCOMES, READY, UNREPORTED
 
 PR_SET_CHILD_SUBREAPER = 36
 KILL_RETRY_SECONDS = 1.0
@@ -65,7 +70,7 @@ class Control:
         self.sock = sock
         self.buffer = b""
         self.closed = sock is None
-        self.lock_files: list[int] = []  # kept open until the supervisor exits: the devices stay rented
+        self.lock_files: list[int] = []  # kept open until the work's last process is gone: the devices stay rented
 
     def fileno(self) -> int:
         assert self.sock is not None
@@ -93,6 +98,17 @@ class Control:
                 if isinstance(message, dict):
                     messages.append(message)
         return messages
+
+    def release_devices(self) -> None:
+        """Close the devices' lock files (the work's last process is gone: the devices are free on the host),
+        and tell the worker, if it still listens."""
+        for fd in self.lock_files:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.lock_files = []
+        if self.sock is not None:
+            with contextlib.suppress(OSError):
+                self.sock.send(b'{"ended": true}\n', socket.MSG_DONTWAIT)
 
     def first(self) -> dict[str, Any] | None:
         """The first message (waiting for it), or None at an end of file."""
@@ -200,6 +216,11 @@ class Supervisor:
                 return False
             if handed is not None and self.record.ready is not None:
                 break
+        try:  # the rented GPUs' nodes open to the work before it hears of them (host/device_fence.py)
+            self.record.notes += self.work.open_devices(list(handed.get("gpu_minors") or []))
+        except (OSError, ValueError) as exc:
+            self.record.message = f"the rented GPUs could not be opened to the job's processes: {exc}"
+            return False
         with contextlib.suppress(OSError):  # a job that closed its end gets its variables nowhere: it ends
             os.write(gate, json.dumps({"env": {**self.spec.hand_over_env, **(handed.get("env") or {})}}).encode()
                      + b"\n")
@@ -226,7 +247,7 @@ class Supervisor:
         while True:
             for key, _ in selector.select(self._seconds_to_next()):
                 if key.data == "work-ended" and self._work_said_ended(pipe):
-                    selector.unregister(pipe)
+                    selector.unregister(pipe)  # its last word: it gave up reporting and is leaving
                 elif key.data == "signal":
                     with contextlib.suppress(BlockingIOError):
                         os.read(self.wake, 512)
@@ -243,14 +264,21 @@ class Supervisor:
         return max(0.0, min(KILL_RETRY_SECONDS, (due - now()).total_seconds()))
 
     def _work_said_ended(self, pipe: int) -> bool:
-        """The job wrote to the work-ended pipe (anything but its ready): the meter's end. True once it has."""
-        if not [word for word in _words(pipe) if word != READY]:
+        """The job wrote to the work-ended pipe (anything but its ready): its flow returned, it says, with
+        this outcome. From the first word it has its report grace to end. True once it has said one."""
+        words = [word for word in _words(pipe) if word != READY]
+        if not words:
             return False
-        self.record.work_ended = now().isoformat()
-        self.report_by = now() + timedelta(seconds=self.spec.report_grace_seconds)
-        self.save()
-        self.ending.set()
-        return True
+        before = (self.record.work_ended, self.record.outcome, self.record.unreported)
+        if self.record.work_ended is None:
+            self.record.work_ended = now().isoformat()
+            self.report_by = now() + timedelta(seconds=self.spec.report_grace_seconds)
+            self.ending.set()
+        self.record.outcome = self.record.outcome or next((w for w in words if w in OUTCOMES), None)
+        self.record.unreported = self.record.unreported or UNREPORTED in words
+        if (self.record.work_ended, self.record.outcome, self.record.unreported) != before:
+            self.save()  # only what changed: a job writing words without end costs no disk writes
+        return self.record.unreported
 
     def _enforce(self) -> None:
         """Start a stop at the time limit, when asked, or when a job that said it ended never exits."""
@@ -294,9 +322,10 @@ class Supervisor:
             self.kill_at = at + timedelta(seconds=KILL_RETRY_SECONDS)
 
     def _finish(self, exit_: Exit) -> None:
-        # Whatever the work left behind goes with it: daemons, children of a dead leader.
-        self.work.clean_up()
-        self.record.ended = exit_.at.isoformat()
+        # Whatever the work left behind goes with it (daemons, children of a dead leader); the devices are
+        # back, and the meter stops, when its last process is gone. The record says so at once (the worker
+        # takes the devices back from it); the slower sweep of what the work left on the host comes after.
+        self.record.ended = self.work.stop_all().isoformat()
         self.record.exit_code = exit_.code
         reason = self.record.stop_reason
         if exit_.out_of_memory:
@@ -307,9 +336,16 @@ class Supervisor:
             self.record.ending = "stopped"
         elif reason == "output-bound":
             self.record.ending = "output-bound"
+        elif reason == "report-overdue":
+            self.record.ending = "kept-running"
         else:
             self.record.ending = "exited"
         self.save()
+        self.control.release_devices()
+        notes = len(self.record.notes)
+        self.work.clean_up()
+        if len(self.record.notes) != notes:
+            self.save()
         if self.spec.accounting:
             # The host's own account of every run, written by the supervisor as the work ends, whatever
             # becomes of the worker or the Prefect API (as Slurm's accounting keeps what slurmstepd saw).

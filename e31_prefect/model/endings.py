@@ -60,6 +60,20 @@ PROCESS_DIED = Ending("ProcessDied", "process-died", StateType.FAILED)
 CONTAINER_DIED = Ending("ContainerDied", "container-died", StateType.FAILED)
 NOT_STARTED = Ending("NotStarted", "not-started", StateType.FAILED)
 REPORTED_BY_WORKER = Ending("Completed", "completed-unreported", StateType.COMPLETED)
+
+
+def reported_by_worker(outcome: str) -> Ending | None:
+    """The ending e31 reports for a flow whose engine named its outcome as the flow returned but could not
+    report it (the API did not answer): the same state, reported by the worker. None for an unknown word."""
+    state = {"completed": StateType.COMPLETED, "failed": StateType.FAILED, "crashed": StateType.CRASHED,
+             "cancelled": StateType.CANCELLED}.get(outcome)
+    if state is None:
+        return None
+    return replace(REPORTED_BY_WORKER, name=state.value.title(), event=f"{outcome}-unreported", state=state)
+
+
+# Said its flow returned, then did not end within its report grace: killed, billed until its last process went.
+KEPT_RUNNING = Ending("KeptRunning", "kept-running", StateType.FAILED)
 OUTPUT_MISSING = Ending("OutputMissing", "output-missing", StateType.FAILED)
 OUTPUT_NOT_SENT = Ending("OutputNotSent", "output-not-sent", StateType.FAILED)
 DISK_LIMIT = Ending("DiskLimit", "disk-limit", StateType.FAILED)
@@ -68,4 +82,4 @@ WORKER_FAILED = Ending("Crashed", "worker-failed", StateType.CRASHED)
 
 ALL = (DEADLINE_MISSED, INVALID_JOB, STAGING_FAILED, NO_CONTAINER_ENGINE, HOST_CANNOT_RUN, OVER_QUOTA,
        HANDED_BACK, TIMED_OUT, CANCELLED, OUT_OF_MEMORY, PROCESS_DIED, CONTAINER_DIED, NOT_STARTED,
-       REPORTED_BY_WORKER, OUTPUT_MISSING, OUTPUT_NOT_SENT, DISK_LIMIT, TOO_MANY_OUTPUTS, WORKER_FAILED)
+       REPORTED_BY_WORKER, KEPT_RUNNING, OUTPUT_MISSING, OUTPUT_NOT_SENT, DISK_LIMIT, TOO_MANY_OUTPUTS, WORKER_FAILED)

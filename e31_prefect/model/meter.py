@@ -76,18 +76,16 @@ class Meter:
         return self.between("run_ended", "output")
 
 
-def work_end(ended: datetime, work_ended: datetime | None = None, stop_requested: datetime | None = None,
-             grace_seconds: float = 0.0) -> datetime:
+def work_end(ended: datetime, stop_requested: datetime | None = None, grace_seconds: float = 0.0) -> datetime:
     """When the work truly ended, as its supervisor recorded it: where billing stops.
 
-    The job's own word that its work is done comes first (what follows is the engine reporting to
-    the Prefect API, which may be down); else the moment its last process was gone. A stop (the
-    time limit, a cancel) bills at most its grace, whatever the container engine did after it.
+    That is the moment no process of the job could use its devices any more (its last process gone), not
+    a word the job writes: a job that says its flow returned and goes on is billed until it is gone. A stop
+    (the time limit, a cancel) bills at most its grace, whatever the container engine did after it.
     """
-    end = min(ended, work_ended) if work_ended is not None else ended
     if stop_requested is not None:
-        end = min(end, stop_requested + timedelta(seconds=grace_seconds))
-    return end
+        return min(ended, stop_requested + timedelta(seconds=grace_seconds))
+    return ended
 
 
 def tag_seconds(seconds: float) -> str:

@@ -24,7 +24,12 @@ from e31_prefect.host.inventory import Device, visible_devices_env
 from e31_prefect.host.ledger import RunFolder, Spec
 
 # The job entry's own names for its pipes and gateway (it stands alone in a container: it defines them).
-from e31_prefect.job_entry import API_SOCKET_VARIABLE, HAND_OVER_VARIABLE, WORK_ENDED_VARIABLE
+from e31_prefect.job_entry import (
+    API_SOCKET_VARIABLE,
+    HAND_OVER_VARIABLE,
+    REPORT_SECONDS_VARIABLE,
+    WORK_ENDED_VARIABLE,
+)
 from e31_prefect.model.endings import Ending
 from e31_prefect.model.job import Job
 from e31_prefect.model.job_values import Problem
@@ -113,7 +118,7 @@ WITHHELD_PREFECT = ("PREFECT_API_KEY", "PREFECT_API_AUTH_STRING", "PREFECT_API_U
 # job's dirs, its shards and its ends of the supervisor's pipe and gateway.
 SET_FOR_THE_RUN = ("CUDA_DEVICE_ORDER", "CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", DATA_DIR_VARIABLE,
                    OUTPUT_DIR_VARIABLE, SHARDS_VARIABLE, WORK_ENDED_VARIABLE, API_SOCKET_VARIABLE,
-                   HAND_OVER_VARIABLE)
+                   HAND_OVER_VARIABLE, REPORT_SECONDS_VARIABLE)
 
 
 def env_problems(env: dict[str, Any]) -> list[Problem]:
@@ -145,9 +150,10 @@ def prefect_environment(env: dict[str, str | None]) -> dict[str, str]:
     return {k: v for k, v in env.items() if v is not None and not k.startswith(WITHHELD_PREFECT)}
 
 
-def hand_over_environment(devices: Sequence[Device]) -> dict[str, str]:
-    """The variables a job's entry is handed with its devices, set before any of the job's code is imported."""
-    return visible_devices_env(devices)
+def hand_over_environment(devices: Sequence[Device], report_seconds: float) -> dict[str, str]:
+    """The variables a job's entry is handed with its devices, set before any of the job's code is imported:
+    the devices, and how long its engine may take to report the flow's last state."""
+    return {**visible_devices_env(devices), REPORT_SECONDS_VARIABLE: str(report_seconds)}
 
 
 def job_environment(job: Job, devices: Sequence[Device], data_dir: PurePath | str, output_dir: PurePath | str,

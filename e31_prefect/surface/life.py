@@ -46,7 +46,7 @@ from e31_prefect.data.staging import (
 from e31_prefect.flows.command_flow import COMMAND_FLOW_ENTRYPOINT
 from e31_prefect.flows.flow_shards import FLOW_SHARDS_ENTRYPOINT
 from e31_prefect.host import cgroups, disk, output_bounds
-from e31_prefect.host.inventory import Device
+from e31_prefect.host.inventory import Device, gpu_minors
 from e31_prefect.host.ledger import Holding, Record, RunFolder, now, output_tail, this_process
 from e31_prefect.host.output_bounds import OutputBounds
 from e31_prefect.host.supervision import Supervisor
@@ -405,10 +405,10 @@ class JobLife(Sending, Watching):
         assert self.holding is not None
         self.holding.stop_at = stop_at.isoformat() if stop_at else None
         self._save()  # before the hand-over: a worker that dies next leaves a run its adopter resumes
-        supervisor.hand_over(hand_over_environment(rental.devices), stop_at, self.meter.marks["rented"],
-                             self.worker.inventory.lock_files(self.run_id))
-        self.report.step("rented", rental.devices, gpus=len(rental.devices),
-                         devices=[d.index for d in rental.devices])
+        supervisor.hand_over(hand_over_environment(rental.devices, self.worker.settings.report_seconds), stop_at,
+                             self.meter.marks["rented"], self.worker.inventory.lock_files(self.run_id),
+                             gpu_minors(rental.devices))
+        self.report.step("rented", rental.devices, gpus=len(rental.devices), devices=[d.index for d in rental.devices])
         record = await supervisor.started()
         if record.started:
             self._on_started(record)

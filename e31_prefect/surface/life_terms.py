@@ -77,12 +77,21 @@ def judge(record: Record | None, flow_state: State | None, died: Ending, job: Jo
     if record.ending == "out-of-memory":
         return endings.OUT_OF_MEMORY.saying(f"Out of memory: the work was killed at its memory limit (request.memory "
                                             f"= {job.request.memory}); outputs written so far were kept.")
+    if record.ending == "kept-running":
+        # Whatever the job reported: a flow that returned leaves; this one's processes went on.
+        return endings.KEPT_RUNNING.saying(
+            f"The job said its flow returned ({record.outcome or 'no outcome named'}) at {record.work_ended}, but "
+            f"its processes went on and were killed at {record.stop_requested}, after its report grace; it is "
+            "billed until then. A flow's threads, children and exit handlers end with it: finish the work before "
+            "the flow returns.")
     if flow_state is not None and flow_state.is_final():
         return None
-    if record.work_ended is not None:
-        return endings.REPORTED_BY_WORKER.saying(
-            f"The flow's work ended at {record.work_ended}, but its engine could not report it to the Prefect "
-            "API in time; e31 reports it. Its outputs were sent.")
+    unreported = endings.reported_by_worker(record.outcome or "") if record.work_ended else None
+    if unreported is not None and record.exit_code in (0, 1):
+        # The engine named the flow's outcome, could not report it, and its process left on its own.
+        return unreported.saying(
+            f"The flow returned at {record.work_ended} ({record.outcome}), but its engine could not report it to "
+            "the Prefect API in time; e31 reports it. Its outputs were sent.")
     return died.saying(f"The run's {died.name.removesuffix('Died').lower()} died with exit code "
                        f"{record.exit_code} before the flow reported a final state; outputs written so far "
                        "were kept." + (f" Its last output:\n{tail}" if tail else ""))
@@ -126,7 +135,6 @@ def meter_from(holding: Holding, record: Record | None, grace_seconds: float) ->
     if record is not None and record.ended:
         meter.mark("run_ended", work_end(
             datetime.fromisoformat(record.ended),
-            datetime.fromisoformat(record.work_ended) if record.work_ended else None,
             datetime.fromisoformat(record.stop_requested) if record.stop_requested else None, grace_seconds))
     return meter
 

@@ -99,10 +99,9 @@ def test_an_api_outage_at_the_end_of_a_run_is_billed_to_nobody(own_server, tmp_p
     assert submitted.returncode == 0, submitted.stderr
     run_id = flow_run_id(submitted.stdout)
     home = tmp_path / "host"
-    # The engine cannot report while the API is down: its supervisor stops it after a report grace of 5 s (the
-    # default 60 s would only make the test wait; the bill ends where the work did, whatever the grace).
-    worker = Worker("outage", home, "1xH100", PREFECT_API_URL=own_server.api_url, PREFECT_HOME=str(own_server.home),
-                    E31_REPORT_GRACE_SECONDS="5")
+    # The engine cannot report while the API is down: it gives up after E31_REPORT_SECONDS (5 s by default) and
+    # leaves, well within its report grace.
+    worker = Worker("outage", home, "1xH100", PREFECT_API_URL=own_server.api_url, PREFECT_HOME=str(own_server.home))
     folder = RunFolder(home / "ledger" / str(run_id))
     try:
         record = until(lambda: (r := folder.record()) is not None and r.started and r, 120, "the work starting")
@@ -118,12 +117,16 @@ def test_an_api_outage_at_the_end_of_a_run_is_billed_to_nobody(own_server, tmp_p
         until(lambda: not folder.path.exists(), 180, "the worker closing the run once the API is back")
     finally:
         worker.stop(timeout=30)
-    assert final.work_ended is not None, "the job never said its work was done"
-    true_end = work_end(datetime.fromisoformat(final.ended), datetime.fromisoformat(final.work_ended))
+    assert final.work_ended is not None and final.outcome == "completed", "the job never said its flow returned"
+    assert final.unreported and final.ending == "exited", final
+    true_end = work_end(datetime.fromisoformat(final.ended))
     true_bill = (true_end - datetime.fromisoformat(holding.marks["rented"])).total_seconds()
-    # The bill holds the 6 s of work and ends with it, a whole outage (20 s) before the API came back: not
-    # at the moment the worker could report it. (Not a bound on the engine's start, which load stretches.)
+    # The bill holds the 6 s of work and ends when its process left, having tried to report for at most
+    # E31_REPORT_SECONDS: a whole outage (20 s) before the API came back, not at the moment the worker could
+    # report it. (Not a bound on the engine's start, which load stretches.)
     assert true_bill >= 6
+    reported_for = (datetime.fromisoformat(final.ended) - datetime.fromisoformat(final.work_ended)).total_seconds()
+    assert reported_for <= 5 + 2, reported_for  # E31_REPORT_SECONDS (5), and the entry leaving
     assert (api_back - true_end).total_seconds() >= 19, (true_end, api_back)
     with httpx.Client(base_url=own_server.api_url) as api:
         run = api.get(f"/flow_runs/{run_id}").json()

@@ -7,8 +7,10 @@ legitimate job does (a task, a subflow, a log line, an artifact): all of that mu
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import stat
 import time
 from uuid import UUID
 
@@ -25,6 +27,7 @@ from prefect.client.schemas.filters import (
 )
 
 from tests.integration.conftest import cli, flow_run_id
+from tests.integration.test_device_fence import make_nodes
 from tests.integration.test_jobs_end_to_end import read_run, write_job
 
 pytestmark = pytest.mark.integration
@@ -164,3 +167,50 @@ def test_a_job_naming_a_host_file_as_its_data_fails_before_renting(prefect_serve
     assert run.state.name == "StagingFailed", run.state
     assert "/etc/passwd" in run.state.message and "E31_FILE_ROOTS" in run.state.message
     assert "e31:billed-s=0" in run.tags
+
+
+# A job that ignores CUDA_VISIBLE_DEVICES: it opens every GPU node of the host itself, and makes one of its own.
+GREEDY_FOR_GPUS = """
+import errno, json, os, stat
+from pathlib import Path
+from prefect import flow
+
+@flow
+def greedy(nodes: str) -> None:
+    seen = {"visible": os.environ.get("CUDA_VISIBLE_DEVICES")}
+    for node in sorted(Path(nodes).iterdir()):
+        try:
+            os.close(os.open(node, os.O_RDWR))
+            seen[node.name] = "opened"
+        except OSError as error:
+            seen[node.name] = errno.errorcode[error.errno]
+    try:
+        os.mknod(Path(os.environ["E31_OUTPUT_DIR"], "my-nvidia3"), stat.S_IFCHR | 0o666, os.makedev(195, 3))
+        seen["mknod"] = "made"
+    except OSError as error:
+        seen["mknod"] = errno.errorcode[error.errno]
+    Path(os.environ["E31_OUTPUT_DIR"], "seen.json").write_text(json.dumps(seen))
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="device nodes are made with mknod, as root")
+def test_a_process_job_opens_only_the_gpus_it_rented(prefect_server, tmp_path, pool):
+    """2 of a host's 4 GPUs rented (1 and 2, the H100s): their nodes and nvidiactl open to the job (ENXIO here:
+    no driver serves them), GPUs 0 and 3 do not (EPERM), by whatever path it opens them."""
+    folder = tmp_path / "greedy"
+    make_nodes(folder / "dev", uvm=511)  # this host loads no nvidia-uvm: a node of it stays closed
+    job = write_job(folder, f"""
+        name: greedy
+        work: {{flow: flow.py:greedy, parameters: {{nodes: "{folder / 'dev'}"}}}}
+        request: {{gpus: 2, gpu_type: H100, max_duration: 5m}}
+        output: {{to: ./out/, expect: [seen.json]}}
+        """, flow=GREEDY_FOR_GPUS)
+    result = cli("e31", "run", str(job), "--pool", pool, gpus="0:A100,1:H100,2:H100,3:A100")
+    assert result.returncode == 0, result.stdout + result.stderr
+    seen = json.loads((folder / "out" / "seen.json").read_text())
+    EPERM, ENXIO = errno.errorcode[errno.EPERM], errno.errorcode[errno.ENXIO]
+    assert seen == {"visible": "1,2", "nvidia0": EPERM, "nvidia1": ENXIO, "nvidia2": ENXIO, "nvidia3": EPERM,
+                    "nvidiactl": ENXIO, "elsewhere-nvidia3": EPERM, "nvidia-uvm": EPERM,
+                    "nvidia-uvm-tools": EPERM, "mknod": EPERM}, seen
+    assert "nvidia-uvm is not loaded" in result.stdout + result.stderr, "the operator is told why CUDA cannot start"
+    assert not any(stat.S_ISCHR(path.lstat().st_mode) for path in (folder / "out").rglob("*"))

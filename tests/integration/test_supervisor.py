@@ -7,6 +7,7 @@ to its worker (killed mid-run), and checks what the supervisor's record and the 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -14,15 +15,19 @@ import subprocess
 import sys
 import textwrap
 import time
-from datetime import datetime, timedelta
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
+from uuid import uuid4
 
 import pytest
 
 from e31_prefect.host import cgroups
+from e31_prefect.host.device_fence import DeviceFence
 from e31_prefect.host.inventory import Device, Inventory
-from e31_prefect.host.ledger import Record, RunFolder, Spec, now, process_running
+from e31_prefect.host.ledger import Holding, Record, RunFolder, Spec, now, process_running
 from e31_prefect.host.supervision import Supervisor, make_hand_over_pipe, make_work_ended_pipe
+from e31_prefect.surface.life_terms import meter_from
+from tests.integration.test_device_fence import devices_table, free_major, make_nodes
 from tests.unit.test_life import GATE  # what e31's job entry does first: say it is ready, wait for its devices
 
 pytestmark = pytest.mark.integration
@@ -43,14 +48,14 @@ time.sleep(float(sys.argv[2]))
 
 
 def start(folder: Path, script: str, *args: str, seconds: float | None = None, lock_files: tuple[int, ...] = (),
-          **spec: object) -> subprocess.Popen:
+          before: str = "", gpu_minors: tuple[int, ...] = (), **spec: object) -> subprocess.Popen:
     """A supervisor for ``script``, started as a worker starts one (its own session, its control socket),
-    and handed its devices at once (the time limit counts from there)."""
+    and handed its devices at once (the time limit counts from there); ``before`` runs while it waits."""
     folder.mkdir(parents=True, exist_ok=True)
     run = RunFolder(folder)
     run.write_spec(Spec(
         run_id=folder.name, runtime="process", stop_at=None,
-        argv=[sys.executable, "-c", GATE + textwrap.dedent(script), *args],
+        argv=[sys.executable, "-c", textwrap.dedent(before) + GATE + textwrap.dedent(script), *args],
         env={"PATH": os.environ["PATH"], "E31_WORK_ENDED": str(run.work_ended_pipe),
              "E31_HAND_OVER": str(run.hand_over_pipe)},
         cwd=str(folder), **{"grace_seconds": 1.0, **spec}))
@@ -62,7 +67,7 @@ def start(folder: Path, script: str, *args: str, seconds: float | None = None, l
     theirs.close()
     worker_side = Supervisor(run, None, ours)
     worker_side.hand_over({"CUDA_VISIBLE_DEVICES": "0"}, now() + timedelta(seconds=seconds) if seconds else None,
-                          now(), lock_files)
+                          now(), lock_files, gpu_minors)
     return process
 
 
@@ -146,22 +151,23 @@ def test_the_work_outlives_its_worker_and_is_still_bounded(tmp_path):
     assert not process_running(int(record.infrastructure))
 
 
-def test_the_meter_ends_where_the_job_said_its_work_was_done(tmp_path):
-    """A job whose engine cannot reach Prefect after its work: its end is the word it sent, not its exit."""
+def test_the_meter_ends_when_the_last_process_is_gone_not_at_the_jobs_word(tmp_path):
+    """A job's word that its flow returned is recorded with its outcome; the work ends when its processes do."""
     script = """
         import os, time
         time.sleep(0.5)
         fd = os.open(os.environ["E31_WORK_ENDED"], os.O_WRONLY | os.O_NONBLOCK)
         os.write(fd, b"completed\\n"); os.close(fd)
-        time.sleep(3)   # the engine, retrying a Prefect API that is down
+        time.sleep(3)   # still running, and so still able to use its devices
     """
     record = finished(tmp_path / "run", start(tmp_path / "run", script, report_grace_seconds=30))
-    assert record.ending == "exited"
+    assert record.ending == "exited" and record.outcome == "completed" and not record.unreported
     assert 0.4 <= seconds_between(record.started, record.work_ended) <= 1.5
-    assert seconds_between(record.work_ended, record.ended) >= 2.5
+    assert seconds_between(record.work_ended, record.ended) >= 2.9
 
 
-def test_a_job_that_says_it_is_done_and_goes_on_is_stopped_after_the_report_grace(tmp_path):
+def test_a_job_that_says_it_is_done_and_goes_on_is_killed_after_the_report_grace(tmp_path):
+    """A forged word at its start: the job is killed at its report grace, and billed to then."""
     script = """
         import os, time
         fd = os.open(os.environ["E31_WORK_ENDED"], os.O_WRONLY | os.O_NONBLOCK)
@@ -170,14 +176,65 @@ def test_a_job_that_says_it_is_done_and_goes_on_is_stopped_after_the_report_grac
     """
     record = finished(tmp_path / "run", start(tmp_path / "run", script, seconds=3600, report_grace_seconds=2))
     assert record.stop_reason == "report-overdue" and record.exit_code == -signal.SIGKILL
+    assert record.ending == "kept-running"
     assert 1.8 <= seconds_between(record.work_ended, record.ended) <= 4
+
+
+SAY_COMPLETED = """
+import os
+fd = os.open(os.environ["E31_WORK_ENDED"], os.O_WRONLY | os.O_NONBLOCK)
+os.write(fd, b"completed\\n"); os.close(fd)
+"""
+ALIVE = 'print(repr(time.time()), file=open(sys.argv[1], "a"), flush=True); time.sleep(0.01)'
+
+
+@pytest.mark.parametrize("left", ["thread", "child", "atexit"])
+def test_what_a_job_leaves_running_after_its_word_is_billed_until_it_is_gone(tmp_path, left):
+    """The job says its flow returned (as its engine does), but something of it goes on (a non-daemon thread,
+    a setsid child that ignores SIGTERM, an atexit handler that ignores SIGTERM): the bill covers every
+    moment it was alive, to its kill at the report grace."""
+    script = SAY_COMPLETED + {
+        "thread": f"""
+import sys, threading, time
+def work():
+    while True:
+        {ALIVE}
+threading.Thread(target=work).start()
+""",
+        "child": f"""
+import signal, sys, time
+if os.fork() == 0:
+    os.setsid(); signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    while True:
+        {ALIVE}
+time.sleep(0.2)
+""",
+        "atexit": f"""
+import atexit, signal, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+def work():
+    while True:
+        {ALIVE}
+atexit.register(work)
+""",
+    }[left]
+    alive = tmp_path / "alive"
+    record = finished(tmp_path / "run", start(tmp_path / "run", script, str(alive), seconds=3600,
+                                              report_grace_seconds=2), timeout=60)
+    # Each line a moment the job was alive (a line cut short by the kill is no moment).
+    moments = [float(line) for line in alive.read_text().splitlines() if line.count(".") == 1]
+    last_alive = datetime.fromtimestamp(max(moments), tz=timezone.utc)
+    meter = meter_from(Holding(flow_run_id="run", worker_pid=0, worker_started="", job_name="j", devices=[0],
+                               workspace="/nowhere", gpus=1, marks={"rented": record.started}), record, 1.0)
+    assert last_alive <= meter.marks["run_ended"], (last_alive, meter.marks["run_ended"])
+    assert record.outcome == "completed"
+    if left != "child":  # its main process never ended: it said its flow returned and went on
+        assert record.ending == "kept-running"
 
 
 def test_the_devices_stay_rented_until_the_supervisor_ends(tmp_path):
     locks = tmp_path / "locks"
     worker, other = Inventory([Device(0, "H100")], locks), Inventory([Device(0, "H100")], locks)
-    from uuid import uuid4
-
     run = uuid4()
     assert worker.hold(run, worker.devices)
     folder = tmp_path / "run"
@@ -233,3 +290,61 @@ def test_work_that_cannot_start_is_recorded_not_started(tmp_path):
                                       env={}, cwd=str(folder)))
     record = finished(folder, subprocess.Popen([sys.executable, "-m", "e31_prefect.supervisor", str(folder)]))
     assert record.ending == "not-started" and "/no/such/program" in record.message
+
+
+# What a job that ignores CUDA_VISIBLE_DEVICES does: open every GPU node of the host itself (here, nodes made
+# with mknod: no driver serves them, so a node the run may open fails with ENXIO, one it may not with EPERM).
+OPENS = """
+import errno, json, os, sys
+def opens(folder):
+    seen = {}
+    for name in sorted(os.listdir(folder)):
+        try:
+            os.close(os.open(os.path.join(folder, name), os.O_RDWR))
+            seen[name] = "opened"
+        except OSError as error:
+            seen[name] = errno.errorcode[error.errno]
+    return seen
+"""
+
+
+def _device_rules() -> bool:
+    group = cgroups.RunGroup.create("probe-devices", None, None)
+    try:
+        fence = DeviceFence.create(group.v2, group.v1.get("devices"))
+        fence.close()
+        return fence.enforced
+    finally:
+        group.remove()
+
+
+@pytest.mark.skipif(not _device_rules(), reason="this host gives e31 no device rules (cgroup v1 devices, v2 BPF)")
+def test_the_work_opens_no_gpu_while_it_waits_and_only_its_rented_ones_after_the_hand_over(tmp_path):
+    uvm = free_major()
+    make_nodes(tmp_path / "dev", uvm)
+    folder = tmp_path / f"run-{uuid4().hex}"  # its cgroup's name: no other run's, whoever runs tests beside it
+    supervisor = start(folder, "json.dump({'waiting': waiting, 'running': opens(sys.argv[1])}, "
+                       "open(sys.argv[2], 'w'))", str(tmp_path / "dev"), str(tmp_path / "seen.json"),
+                       before=OPENS + "waiting = opens(sys.argv[1])\n", gpu_minors=(1, 2),
+                       device_table=str(devices_table(tmp_path / "devices", uvm)))
+    record = finished(folder, supervisor)
+    assert record.ending == "exited" and record.exit_code == 0, record
+    assert record.limits["devices"] is True
+    seen = json.loads((tmp_path / "seen.json").read_text())
+    assert set(seen["waiting"].values()) == {"EPERM"}, f"a GPU node opened before the hand-over: {seen['waiting']}"
+    assert seen["running"] == {"elsewhere-nvidia3": "EPERM", "nvidia-uvm": "ENXIO", "nvidia-uvm-tools": "ENXIO",
+                               "nvidia0": "EPERM", "nvidia1": "ENXIO", "nvidia2": "ENXIO", "nvidia3": "EPERM",
+                               "nvidiactl": "ENXIO"}
+
+
+def test_a_host_without_device_rules_runs_the_work_and_says_so(tmp_path):
+    record = finished(tmp_path / "run", start(tmp_path / "run", "pass", gpu_minors=(0,), cgroups=False))
+    assert record.ending == "exited" and record.limits["devices"] is False
+    assert any("device isolation is not enforced" in note for note in record.notes), record.notes
+
+
+def test_a_hand_over_of_a_device_that_is_no_gpu_starts_nothing(tmp_path):
+    """nvidiactl's minor (255) handed over as a GPU's: the supervisor opens nothing and ends the run unbilled."""
+    record = finished(tmp_path / "run", start(tmp_path / "run", "raise SystemExit(3)", gpu_minors=(0, 255)))
+    assert record.ending == "not-started" and record.started is None
+    assert "could not be opened" in record.message and "255" in record.message

@@ -25,6 +25,7 @@ from e31_prefect.host.inventory import (
     InventoryError,
     discover,
     discover_nvml,
+    gpu_minors,
     matches,
     parse_declared,
     pick_devices,
@@ -116,7 +117,8 @@ def test_nvml_without_the_library_finds_nothing(monkeypatch: pytest.MonkeyPatch)
     assert discover_nvml() == []
 
 
-def fake_pynvml(names: list[str | bytes], *, fail_init: bool = False) -> types.ModuleType:
+def fake_pynvml(names: list[str | bytes], *, fail_init: bool = False,
+                minors: list[int | None] | None = None) -> types.ModuleType:
     module = types.ModuleType("pynvml")
 
     class NVMLError(Exception):
@@ -136,6 +138,14 @@ def fake_pynvml(names: list[str | bytes], *, fail_init: bool = False) -> types.M
     module.nvmlDeviceGetHandleByIndex = lambda i: i
     module.nvmlDeviceGetName = lambda handle: names[handle]
     module.nvmlDeviceGetUUID = lambda handle: f"GPU-{handle:04d}".encode()
+
+    def minor(handle):
+        found = (minors or list(range(len(names))))[handle]
+        if found is None:
+            raise NVMLError("not supported")
+        return found
+
+    module.nvmlDeviceGetMinorNumber = minor
     module.calls = calls
     return module
 
@@ -155,6 +165,16 @@ def test_nvml_devices_are_read_and_nvml_is_shut_down(monkeypatch: pytest.MonkeyP
         Device(1, "NVIDIA A100-SXM4-40GB", "GPU-0001"),
     ]
     assert fake.calls == ["init", "shutdown"]
+
+
+def test_a_gpus_node_is_its_minor_number_as_nvml_tells_it_and_a_declared_ones_is_its_index(monkeypatch):
+    """NVML counts GPUs by PCI bus; the driver numbers their nodes (/dev/nvidia<minor>) as it found them."""
+    monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml([H100_NAME] * 3, minors=[2, 0, None]))
+    found = discover_nvml()
+    assert [(d.index, d.minor) for d in found] == [(0, 2), (1, 0), (2, None)]
+    assert gpu_minors(found) == [2, 0, 2], "a minor NVML cannot tell is the index"
+    assert gpu_minors(parse_declared("0:A100,1:H100,3:H100")) == [0, 1, 3]
+    assert Device(0, H100_NAME, "GPU-0000", minor=2) == Device(0, H100_NAME, "GPU-0000"), "one device, one key"
 
 
 # -- matches and pick_devices -----------------------------------------------------------------

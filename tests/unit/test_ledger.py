@@ -97,10 +97,13 @@ def test_the_meter_runs_from_rent_to_the_works_true_end():
     assert meter.team == "vision"
 
 
-def test_the_meter_stops_when_the_job_said_its_work_was_done_not_when_its_engine_reached_the_api():
+def test_the_meter_stops_when_the_last_process_is_gone_not_at_the_jobs_word():
     entry = holding("r", marks={"rented": at(0)})
-    record = Record(started=at(1), work_ended=at(20), ended=at(104), ending="exited")
-    assert meter_from(entry, record, grace_seconds=10).billed_seconds == 20.0
+    record = Record(started=at(1), work_ended=at(20), outcome="completed", ended=at(104), ending="exited")
+    assert meter_from(entry, record, grace_seconds=10).billed_seconds == 104.0
+    liar = Record(started=at(1), work_ended=at(1), outcome="completed", stop_reason="report-overdue",
+                  stop_requested=at(61), ended=at(61), ending="kept-running")
+    assert meter_from(entry, liar, grace_seconds=10).billed_seconds == 61.0
 
 
 def test_a_stopped_run_is_billed_at_most_its_grace_past_the_stop():

@@ -446,8 +446,19 @@ JOB = parse_job({"name": "train", "work": {"command": ["true"]}, "request": {"ma
     (Record(ending="out-of-memory"), Running(), endings.OUT_OF_MEMORY),
     (Record(ending="not-started", message="no such image"), None, endings.NOT_STARTED),
     (Record(ending="exited", exit_code=-9), Running(), endings.PROCESS_DIED),
-    (Record(ending="exited", exit_code=0, work_ended="2026-12-03T07:00:00+00:00"), Running(),
+    (Record(ending="exited", exit_code=0, work_ended="2026-12-03T07:00:00+00:00", outcome="completed"), Running(),
      endings.REPORTED_BY_WORKER),
+    (Record(ending="exited", exit_code=1, work_ended="2026-12-03T07:00:00+00:00", outcome="failed",
+            unreported=True), Running(), endings.reported_by_worker("failed")),
+    # A word no engine says, or a process killed after its word: no outcome is taken from it.
+    (Record(ending="exited", exit_code=0, work_ended="2026-12-03T07:00:00+00:00", outcome=None), Running(),
+     endings.PROCESS_DIED),
+    (Record(ending="exited", exit_code=-9, work_ended="2026-12-03T07:00:00+00:00", outcome="completed"),
+     Running(), endings.PROCESS_DIED),
+    # Said its flow returned and went on: killed after its report grace, Failed whatever it reported.
+    (Record(ending="kept-running", exit_code=-9, work_ended="2026-12-03T07:00:00+00:00", outcome="completed",
+            stop_reason="report-overdue", stop_requested="2026-12-03T07:01:00+00:00"), Completed(),
+     endings.KEPT_RUNNING),
     (None, Running(), endings.PROCESS_DIED),
     (Record(), Running(), endings.PROCESS_DIED),
 ])
@@ -467,6 +478,13 @@ def test_judge_says_what_a_user_needs_to_act():
                                     endings.CONTAINER_DIED, JOB).message
     told = judge(Record(ending="exited", exit_code=1), Running(), endings.PROCESS_DIED, JOB, "ImportError: torch")
     assert told.message.endswith("Its last output:\nImportError: torch")
+    liar = judge(Record(ending="kept-running", work_ended="2026-12-03T07:00:00+00:00", outcome="completed",
+                        stop_requested="2026-12-03T07:01:00+00:00"), Completed(), endings.PROCESS_DIED, JOB)
+    assert liar.state.value == "FAILED" and "said its flow returned (completed)" in liar.message
+    assert "killed at 2026-12-03T07:01:00+00:00" in liar.message
+    failed = judge(Record(ending="exited", exit_code=1, work_ended="2026-12-03T07:00:00+00:00", outcome="failed"),
+                   Running(), endings.PROCESS_DIED, JOB)
+    assert failed.state.value == "FAILED" and failed.name == "Failed" and "e31 reports it" in failed.message
 
 
 def test_the_tail_of_the_works_output_is_its_last_lines(tmp_path):
