@@ -69,7 +69,9 @@ def leave(folders: list[str], key: int) -> None:
     seen["msg"] = libc.msgget(key, 0o1600)
     subprocess.Popen([sys.executable, "-c", DAEMON], start_new_session=True, stdin=subprocess.DEVNULL,
                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    time.sleep(1)
+    started = time.monotonic()  # its interpreter may take seconds to start on a busy host
+    while not os.path.exists("/tmp/e31-daemon") and time.monotonic() - started < 60:
+        time.sleep(0.05)
     seen["daemon_wrote"] = os.path.exists("/tmp/e31-daemon")
     Path(os.environ["E31_OUTPUT_DIR"], "seen.json").write_text(json.dumps(seen))
 """
