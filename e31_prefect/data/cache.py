@@ -166,14 +166,17 @@ class ContentCache:
         root.mkdir(mode=0o700, parents=True, exist_ok=True)
         for folder in (self.objects, self.locks, self.incoming, self.verified):
             folder.mkdir(parents=True, exist_ok=True)
+        # The paths made on every hit, joined as strings: on a re-stage linking thousands of files, pathlib's
+        # joins took longer than the system calls themselves.
+        self._objects, self._locks, self._verified = str(self.objects), str(self.locks), str(self.verified)
         self.counters = CacheCounters()
         self._counting = threading.Lock()
 
-    def _lock_file(self, key: str) -> Path:
+    def _lock_file(self, key: str) -> str:
         # One lock per key prefix (4,096 of them), made once per host: creating a lock file per
         # object would cost as much as the object's own file. Two objects sharing a prefix only
         # wait for each other while one of them is being filled.
-        return self.locks / key[:LOCK_PREFIX]
+        return f"{self._locks}/{key[:LOCK_PREFIX]}"
 
     @contextlib.contextmanager
     def _locked(self, key: str, exclusive: bool) -> Iterator[None]:
@@ -244,9 +247,9 @@ class ContentCache:
 
     def _link(self, key: str, size: int, target: Path) -> bool:
         """Link the entry at ``target`` if it is what was verified (else evict it); the caller holds its lock."""
-        entry = self.objects / key
+        entry = f"{self._objects}/{key}"
         try:
-            found = entry.stat()
+            found = os.stat(entry)
         except FileNotFoundError:
             return False
         why = "is not the object's size" if found.st_size != size else \
@@ -255,21 +258,16 @@ class ContentCache:
             # Written through a workspace link, or left by an e31 that kept no record: not the object any more.
             self._evict(key, found, why)
             return False
-        target.parent.mkdir(parents=True, exist_ok=True)
         try:
-            os.link(entry, target)
-        except FileExistsError:
-            target.unlink()
-            os.link(entry, target)
-        except OSError as exc:
-            if exc.errno not in (errno.EXDEV, errno.EMLINK, errno.EPERM):
-                raise
-            shutil.copyfile(entry, target)  # another filesystem: a copy, still no download
+            _place(entry, target)
+        except FileNotFoundError:  # its folder is not there yet (the entry is: we hold its lock)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            _place(entry, target)
         # Recorded anew (its link moved the entry's change time); the record's own mtime is the last use.
         after = self._record(key)
         if after is not None and (after.size, after.mtime_ns) != (found.st_size, found.st_mtime_ns):
             # Written to between the check and the link: neither the entry nor this link is trusted.
-            self._evict(key, entry.stat(), "changed while it was being linked")
+            self._evict(key, os.stat(entry), "changed while it was being linked")
             target.unlink(missing_ok=True)
             return False
         return True
@@ -306,15 +304,23 @@ class ContentCache:
                 self._evict(record.key, found, why)
         return True
 
-    def _record_path(self, info: os.stat_result) -> Path:
-        return self.verified / f"{info.st_dev}-{info.st_ino}"
+    def _record_path(self, info: os.stat_result) -> str:
+        return f"{self._verified}/{info.st_dev}-{info.st_ino}"
 
     def _read_record(self, info: os.stat_result) -> Verified | None:
         try:
-            key, size, mtime_ns, ctime_ns = self._record_path(info).read_text().split()
+            fd = os.open(self._record_path(info), os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        try:
+            text = os.read(fd, RECORD_BYTES)
+        finally:
+            os.close(fd)
+        try:
+            key, size, mtime_ns, ctime_ns = text.decode().split()
             return Verified(key, int(size), int(mtime_ns), int(ctime_ns))
-        except (FileNotFoundError, ValueError):
-            return None  # none, or torn by a worker killed mid-write: the entry is fetched again
+        except (UnicodeDecodeError, ValueError):
+            return None  # torn by a worker killed mid-write: the entry is fetched again
 
     def _record(self, key: str) -> Verified | None:
         """Record the entry ``key`` as it is now (the caller holds its lock and knows its bytes are right).
@@ -323,7 +329,7 @@ class ContentCache:
         link it accompanies on some filesystems, and each hit writes one.
         """
         try:
-            info = (self.objects / key).stat()
+            info = os.stat(f"{self._objects}/{key}")
         except FileNotFoundError:
             return None
         record = Verified.of(key, info)
@@ -343,7 +349,8 @@ class ContentCache:
         with contextlib.suppress(FileNotFoundError):
             if (self.objects / key).stat().st_ino == info.st_ino:
                 (self.objects / key).unlink()
-        self._record_path(info).unlink(missing_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._record_path(info))
 
     def entries(self) -> list[Entry]:
         """Every entry, with its size, last use and whether a workspace holds it.
@@ -356,7 +363,7 @@ class ContentCache:
             with contextlib.suppress(FileNotFoundError):
                 info = path.stat()
                 try:
-                    used = self._record_path(info).stat().st_mtime
+                    used = os.stat(self._record_path(info)).st_mtime
                 except FileNotFoundError:
                     used = info.st_mtime
                 found.append(Entry(path.name, info.st_size, used, info.st_nlink > 1))
@@ -382,7 +389,8 @@ class ContentCache:
                     info = entry.stat()
                     if info.st_nlink == 1:
                         entry.unlink()
-                        self._record_path(info).unlink(missing_ok=True)
+                        with contextlib.suppress(FileNotFoundError):
+                            os.unlink(self._record_path(info))
                         evicted.append(key)
             finally:
                 os.close(fd)
@@ -396,6 +404,19 @@ class ContentCache:
             with contextlib.suppress(FileNotFoundError):
                 if path.stat().st_mtime < cutoff:
                     path.unlink()
+
+
+def _place(entry: str, target: Path) -> None:
+    """A hard link to ``entry`` at ``target`` (replacing a file there), or a copy where no link can be made."""
+    try:
+        os.link(entry, target)
+    except FileExistsError:
+        target.unlink()
+        os.link(entry, target)
+    except OSError as exc:
+        if exc.errno not in (errno.EXDEV, errno.EMLINK, errno.EPERM):
+            raise
+        shutil.copyfile(entry, target)  # another filesystem: a copy, still no download
 
 
 # What a download returns instead of an MD5 when the store said the object's ETag is not its MD5

@@ -158,6 +158,7 @@ def stage_inputs(
     started = time.monotonic()
     content_cache = host_cache() if cache is True else (cache or None)
     before = (content_cache.counters.hits, content_cache.counters.hit_bytes) if content_cache else (0, 0)
+    downloads_before = content_cache.counters.downloads if content_cache else 0
     data_dir.mkdir(parents=True, exist_ok=True)
     items = _plan(inputs, data_dir, options, roots, team)
     total = sum(item.obj.size for item in items)
@@ -179,7 +180,10 @@ def stage_inputs(
         raise failure
     if content_cache:
         _say_changed(content_cache, items, log)
-        content_cache.trim()
+        if content_cache.counters.downloads > downloads_before:
+            # Only what it added can take the cache past its bound; trimming reads every entry's status, and
+            # would be most of the time of a re-stage that links thousands of files and downloads none.
+            content_cache.trim()
     _make_read_only(data_dir)
     hits, hit_bytes = ((content_cache.counters.hits - before[0], content_cache.counters.hit_bytes - before[1])
                        if content_cache else (0, 0))

@@ -18,6 +18,7 @@ from prefect.client.schemas.filters import (
     FlowRunFilterDeploymentId,
     FlowRunFilterNextScheduledStartTime,
     FlowRunFilterState,
+    FlowRunFilterStateName,
     FlowRunFilterStateType,
 )
 from prefect.client.schemas.objects import StateType
@@ -38,7 +39,9 @@ def make_runs(deployment_id: UUID, count: int) -> None:
     Prefect's backfill route (the scheduler's bulk insert) from a schedule added for it: one by one, a few
     hundred runs take minutes of a loaded server. The schedule has exactly ``count`` dates, all past: an open
     interval schedule let Prefect's scheduler add runs due in the next seconds before it was paused, and those
-    fell due during a test. It is then paused, not deleted: deleting it deletes the runs it made."""
+    fell due during a test. It is then paused, not deleted: deleting it deletes the runs it made.
+
+    Returns once Prefect has marked every run of the deployment Late (:func:`wait_until_all_late`)."""
     now = datetime.now(timezone.utc)
     start = (now - timedelta(seconds=count + 30)).replace(microsecond=0)  # the rrule counts whole seconds
     due = FlowRunFilter(deployment_id=FlowRunFilterDeploymentId(any_=[deployment_id]),
@@ -55,6 +58,26 @@ def make_runs(deployment_id: UUID, count: int) -> None:
             client.update_deployment_schedule(deployment_id, schedule.id, active=False)
         made = client.count_flow_runs(flow_run_filter=due) - before
     assert made == count, f"the backfill made {made} runs, not {count}"
+    wait_until_all_late(deployment_id)
+
+
+def wait_until_all_late(deployment_id: UUID, timeout: float = 600) -> None:
+    """Wait for Prefect's late-runs service to mark every waiting run of the deployment Late.
+
+    It marks each due run in a transaction of its own. On SQLite (the README's test command; CI runs
+    PostgreSQL) a commit between a request's read and its write fails that request at once ("database is
+    locked", answered 503), and on a loaded machine marking a 250-run backlog took minutes, past the Prefect
+    client's five retries (about a minute of back-off): `e31 submit` failed on POST /api/deployments/.
+    Waited out here, the test's next calls find a quiet server, and no run changes state between two of a
+    worker's polls."""
+    not_late = FlowRunFilter(deployment_id=FlowRunFilterDeploymentId(any_=[deployment_id]),
+                             state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.SCHEDULED]),
+                                                      name=FlowRunFilterStateName(not_any_=["Late"])))
+    deadline = time.monotonic() + timeout
+    with get_client(sync_client=True) as client:
+        while (left := client.count_flow_runs(flow_run_filter=not_late)) > 0:
+            assert time.monotonic() < deadline, f"{left} runs of the backlog still not Late after {timeout:.0f} s"
+            time.sleep(1)
 
 
 def past_seconds(start: datetime, count: int) -> RRuleSchedule:

@@ -24,6 +24,7 @@ import pytest
 
 from tests.integration.conftest import cli
 from tests.integration.test_jobs_end_to_end import write_job
+from tests.integration.test_worker_faults import until
 
 pytestmark = [pytest.mark.integration,
               pytest.mark.skipif(os.geteuid() != 0, reason="a job's own uid needs a worker running as root")]
@@ -69,7 +70,9 @@ def leave(folders: list[str], key: int) -> None:
     seen["msg"] = libc.msgget(key, 0o1600)
     subprocess.Popen([sys.executable, "-c", DAEMON], start_new_session=True, stdin=subprocess.DEVNULL,
                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    time.sleep(1)
+    started = time.monotonic()  # its interpreter may take seconds to start on a busy host
+    while not os.path.exists("/tmp/e31-daemon") and time.monotonic() - started < 60:
+        time.sleep(0.05)
     seen["daemon_wrote"] = os.path.exists("/tmp/e31-daemon")
     Path(os.environ["E31_OUTPUT_DIR"], "seen.json").write_text(json.dumps(seen))
 """
@@ -207,7 +210,9 @@ def test_a_later_job_of_the_same_uid_finds_nothing_the_earlier_one_left(prefect_
     # On the host, after the run: none of it, and no process of the uid still writing.
     assert owned_on_host(folders) == []
     assert owned_ipc("shm") == [] and owned_ipc("msg") == []
-    assert processes_of_uid() == []
+    # A killed process leaves /proc only once it is reaped: for a moment on a busy host (the daemon writes every
+    # 0.1 s for ever, so one that lived on would still be here at the end of the wait).
+    until(lambda: not processes_of_uid(), 30, "the job's processes being gone")
     assert left["big"] == "No space left on device", "a job's temp folders are bounded (E31_JOB_TEMP_BYTES)"
 
     looked = run(tmp_path, "look", LOOK, "look", parameters, pool)

@@ -146,8 +146,10 @@ def test_a_deployment_with_a_bad_job_variable_fails_with_the_job_file_message(pr
     started = cli("prefect", "deployment", "run", "batch-inference/batch-inference")
     assert started.returncode == 0, started.stdout + started.stderr
     run_id = next(line.split()[-1] for line in started.stdout.splitlines() if "UUID" in line)
+    worker_started = datetime.now(timezone.utc)
     worker = cli("prefect", "worker", "start", "--pool", pool, "--type", "e31", "--run-once", gpus="1xH100")
     assert worker.returncode == 0, worker.stdout + worker.stderr
+    worker_ended = datetime.now(timezone.utc)
 
     run = read_run(run_id)
     assert run.state.is_failed() and run.state.name == "InvalidJob", run.state
@@ -160,4 +162,4 @@ def test_a_deployment_with_a_bad_job_variable_fails_with_the_job_file_message(pr
     [problem] = [line.strip() for line in validated.stderr.splitlines() if "max_duration" in line]
     assert problem in run.state.message
     assert "e31:billed-s=0" in run.tags and "e31:gpus=0" in run.tags  # nothing was rented
-    assert datetime.now(timezone.utc) - timing.utc(run.end_time) < timedelta(minutes=5)
+    assert worker_started <= timing.utc(run.end_time) <= worker_ended  # ended by that worker, however long it took

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import s3fs
 
 from tests.integration.conftest import cli, flow_run_id
 from tests.integration.test_jobs_end_to_end import read_run, write_job
+from tests.integration.test_keyboard import run_logs
 
 pytestmark = pytest.mark.integration
 
@@ -69,3 +71,29 @@ def test_missing_s3_input_fails_before_renting_and_bills_nothing(prefect_server,
     assert run.state.name == "StagingFailed"
     assert "s3://empty/nothing-here.csv" in run.state.message and "not found" in run.state.message
     assert "e31:billed-s=0" in run.tags
+
+
+def test_a_job_run_twice_as_its_own_user_downloads_its_input_once(prefect_server, s3_server, tmp_path, pool):
+    # The worker as root with E31_JOB_USERS=auto (as the tests run here): each run's job has a uid of its own, its
+    # workspace is handed to that uid and removed after the run. None of it may cost the next run its download.
+    assert os.geteuid() == 0 and os.environ.get("E31_JOB_USERS", "auto") == "auto", "needs a root worker"
+    fs = bucket(s3_server, "nightly-weights")
+    weights = bytes(range(256)) * 4096  # 1 MiB
+    fs.pipe({"nightly-weights/model.bin": weights})
+    job = write_job(tmp_path / "nightly", """
+        name: nightly
+        work: {flow: flow.py:count}
+        data: [{from: "s3://nightly-weights/model.bin"}]
+        request: {gpus: 0, max_duration: 5m}
+        """, flow=FLOW)
+    env = {**s3_server, "E31_HOME": str(tmp_path / "host")}  # this test's own host cache
+    staged = []
+    for night in ("first", "second"):
+        result = cli("e31", "run", str(job), "--now", "--pool", pool, env=env)
+        assert result.returncode == 0, result.stdout + result.stderr
+        run_id = flow_run_id(result.stdout)
+        assert read_run(run_id).state.is_completed(), (night, result.stdout + result.stderr)
+        staged.append(run_logs(run_id, "Staged "))
+    assert "1 from the host's cache" not in staged[0]
+    assert "1 from the host's cache, 0.00 MB downloaded" in staged[1], staged[1]
+    assert "evicted" not in staged[1], staged[1]

@@ -281,8 +281,11 @@ def test_a_run_whose_worker_died_before_renting_goes_back_to_the_pool(prefect_se
     first = Worker(pool, home, "1xH100", **env)
     try:
         until(lambda: read_run(run_id).state.type.value == "PENDING", 120, "the worker taking the run")
-        time.sleep(2)  # staging: listing s3://bucket/big.bin at an endpoint that never answers
+        # Staging: listing s3://bucket/big.bin at the endpoint, which never answers (kept open until the end).
+        silent.settimeout(120)
+        listing, _ = silent.accept()
         first.kill()
+        listing.close()
         assert read_run(run_id).state.type.value == "PENDING"
         assert (home / "ledger" / str(run_id)).exists(), "the taken run is not in the host's ledger"
         # The next worker (the endpoint now refuses, so the run is not taken again at once) hands it back.

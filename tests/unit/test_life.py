@@ -34,7 +34,6 @@ from e31_prefect.surface.life import JobLife
 from e31_prefect.surface.life_terms import Ends, judge
 from e31_prefect.surface.run_states import RunStates
 
-NOW = datetime.now(timezone.utc)
 pytestmark = pytest.mark.anyio
 
 
@@ -161,8 +160,9 @@ def job_dict(tmp_path: Path, **request: Any) -> dict[str, Any]:
 
 def life_for(tmp_path: Path, job: dict[str, Any] | None = None, **worker: Any) -> JobLife:
     fake = FakeWorker(tmp_path, **worker)
-    flow_run = SimpleNamespace(id=uuid4(), name="brave-otter", expected_start_time=NOW, next_scheduled_start_time=None,
-                               created=NOW, work_queue_name="default")
+    created = datetime.now(timezone.utc)  # read as each test runs: none depends on when the suite started
+    flow_run = SimpleNamespace(id=uuid4(), name="brave-otter", expected_start_time=created,
+                               next_scheduled_start_time=None, created=created, work_queue_name="default")
     life = JobLife(fake, flow_run, FakeConfiguration(job or job_dict(tmp_path)))  # type: ignore[arg-type]
     life.report = FakeReport(fake.client)  # type: ignore[assignment]
     return life
@@ -231,7 +231,8 @@ def test_admit_refuses_an_invalid_job_with_its_problems(tmp_path):
 
 
 def test_admit_refuses_a_run_past_its_latest_start(tmp_path):
-    life = life_for(tmp_path, job_dict(tmp_path, deadline=(NOW + timedelta(minutes=30)).isoformat()))
+    now = datetime.now(timezone.utc)
+    life = life_for(tmp_path, job_dict(tmp_path, deadline=(now + timedelta(minutes=30)).isoformat()))
     ending = ending_of(life.admit)
     assert ending.is_(endings.DEADLINE_MISSED) and "No GPU was rented" in ending.message
     assert life.report.steps == ["deadline-missed"]
@@ -239,8 +240,9 @@ def test_admit_refuses_a_run_past_its_latest_start(tmp_path):
 
 def test_admit_takes_a_run_the_poll_took_on_its_predicted_length(tmp_path):
     # Past its latest start by its limit, not by what its deployment's runs take: the poll's judgement stands.
-    life = life_for(tmp_path, job_dict(tmp_path, deadline=(NOW + timedelta(minutes=30)).isoformat()))
-    life.worker.admitted_latest[life.run_id] = NOW + timedelta(minutes=20)
+    now = datetime.now(timezone.utc)
+    life = life_for(tmp_path, job_dict(tmp_path, deadline=(now + timedelta(minutes=30)).isoformat()))
+    life.worker.admitted_latest[life.run_id] = now + timedelta(minutes=20)
     assert life.admit().name
     assert life.report.steps == []
 
