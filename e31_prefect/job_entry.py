@@ -4,14 +4,18 @@
     python /e31/bin/job_entry.py             # a container: mounted read-only, so any image with Prefect runs it
 
 Loading Prefect and its engine takes seconds. The entry does it first, with no
-device visible: it imports the engine, opens the engine's API client and checks
-the server's version (:func:`prepare_api`). Then it says ``ready`` on the pipe
+device visible and nothing of the job's: it starts with e31's own environment
+(the host's paths, Prefect's settings for the run as the worker sets them, its
+pipes), imports the engine, opens the engine's API client and checks the
+server's version (:func:`prepare_api`). Then it says ``ready`` on the pipe
 named by ``E31_WORK_ENDED`` and waits
 on the pipe named by ``E31_HAND_OVER``; the worker rents the run's devices only
-then, and its supervisor hands them over there (``CUDA_VISIBLE_DEVICES`` and the
-other device variables, set here before any of the job's own code or the flow's
-module is imported). The meter starts at the hand-over, so no team pays for
-Prefect's start-up.
+then, and its supervisor hands them over there with the job's own environment
+(``CUDA_VISIBLE_DEVICES`` and the other device variables, the job's and its
+deployment's variables, set here before any of the job's own code or the flow's
+module is imported; where they act only as an interpreter starts, the entry
+starts again with them: :func:`start_again_with`). The meter starts at the
+hand-over, so no team pays for Prefect's start-up.
 
 Then it runs ``prefect.engine`` exactly as ``python -m prefect.engine`` does, with
 two additions at the top flow run's last state. Just before the engine reports it,
@@ -57,10 +61,14 @@ UNREPORTED = "unreported"  # its last word where the API did not take that state
 REPORT_SECONDS_VARIABLE = "E31_REPORT_SECONDS"  # how long the last state's report may take (set by the worker)
 REPORT_SECONDS = 5.0
 LEAVE_SECONDS = 2.0  # how long the logs and events still queued may take to send as the entry leaves
-# A job's own variables that would run its code as an interpreter starts (a sitecustomize.py or .pth on its
-# PYTHONPATH, a preloaded library): the process runtime gives them only at the hand-over, and the entry restarts.
-START_VARIABLES = ("LD_", "PYTHONPATH", "PYTHONHOME", "PYTHONUSERBASE", "PYTHONPLATLIBDIR", "PYTHONSTARTUP",
-                   "GCONV_PATH")
+# Variables that act only as an interpreter, or a library it loads, starts: Python's own, the dynamic loader's,
+# Prefect's settings (read as Prefect is imported), OpenSSL's configuration, glibc's, the locale and time zone.
+# Where the hand-over gives any a new value, the entry starts again with them (its Prefect load then billed), so
+# the job's variable takes effect. This list is for fidelity, not for safety: the process that waits for the
+# hand-over is started with none of the job's variables, so nothing of the job acts before the hand-over,
+# whatever this list misses.
+START_VARIABLES = ("PYTHON", "LD_", "PREFECT_", "OPENSSL_", "SSL_CERT_", "GCONV_PATH", "GLIBC_TUNABLES",
+                   "MALLOC_", "LANG", "LC_", "TZ")
 # What Prefect's engine imports to run a flow run, loaded before the hand-over (none of it is the job's code):
 # found by listing the modules first imported after the hand-over of a run of the README's example.
 ENGINE_MODULES = ("prefect.engine", "prefect.flow_engine", "prefect._internal.metrics", "prefect.flows",
@@ -159,9 +167,9 @@ def prepare_api(stack: contextlib.ExitStack) -> None:
         pass
 
 
-def wait_for_hand_over(path: str) -> dict[str, str]:
-    """Say ``ready``, then wait for the run's devices; their variables are set in this process's environment
-    and returned.
+def wait_for_hand_over(path: str) -> list[str]:
+    """Say ``ready``, then wait for the run's devices and the job's own environment; their variables are set
+    in this process's environment (a null unsets one), and the names whose value changed are returned.
 
     The supervisor holds the pipe open from before this process starts, so opening it never waits, and
     a supervisor that dies leaves an end of file here: the entry then ends, having run nothing.
@@ -171,19 +179,41 @@ def wait_for_hand_over(path: str) -> dict[str, str]:
         line = gate.readline()
     if not line:
         raise SystemExit("e31: the run's supervisor ended before handing over its devices; nothing ran")
-    given = json.loads(line)["env"]
+    given: dict[str, str | None] = json.loads(line)["env"]
+    changed = [name for name, value in given.items() if os.environ.get(name) != value]
     for name, value in given.items():
-        os.environ[name] = value
-    return given
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    return changed
 
 
-def start_again_with(given: dict[str, str], control: dict[str, str]) -> None:
-    """Where the hand-over gave variables that change how an interpreter starts (the job's PYTHONPATH,
-    LD_PRELOAD ...), start this entry again with them, past the gate (its Prefect load is then billed)."""
-    if not any(name.startswith(START_VARIABLES) for name in given):
+def entry_arguments(user_site: bool = True) -> list[str]:
+    """The interpreter's arguments that run this entry as ``python -m`` does, but with no working folder on
+    ``sys.path`` (it is the run's workspace: a file there must not stand in for a module Prefect imports)
+    and, without ``user_site``, no user's site folder either."""
+    if __spec__ is None:  # run as a file (a container's mounted copy): its folder is e31's own, first on sys.path
+        return [os.path.abspath(__file__)]
+    flags = [] if user_site else ["-s"]
+    if sys.version_info >= (3, 11):
+        return [*flags, "-P", "-m", __spec__.name]
+    # Python 3.10 has no -P: the '' that -c puts first on sys.path goes before anything is imported (site and
+    # its .pth files are read before it is put there).
+    return [*flags, "-c", "import sys; sys.path[:1] = [p for p in sys.path[:1] if p]; import runpy; "
+            f"runpy.run_module({__spec__.name!r}, run_name='__main__', alter_sys=True)"]
+
+
+def start_again_with(changed: list[str], control: dict[str, str]) -> None:
+    """Where the hand-over changed variables that act only as an interpreter starts (the job's PYTHONPATH,
+    LD_PRELOAD, its Prefect settings ...), start this entry again with them, past the gate (its Prefect load
+    is then billed). An interpreter that would read only what it read already goes on."""
+    acting = sorted(name for name in changed if name.startswith(START_VARIABLES))
+    if not acting:
         return
-    entry = ["-m", __spec__.name] if __spec__ is not None else [os.path.abspath(__file__)]
-    os.execve(sys.executable, [sys.executable, *entry], {**os.environ, **control})  # no gate this time
+    print(f"e31: the job's {', '.join(acting)} act as an interpreter starts: its entry starts again with them "
+          "(billed)", file=sys.stderr, flush=True)
+    os.execve(sys.executable, [sys.executable, *entry_arguments()], {**os.environ, **control})  # no gate this time
 
 
 def is_last_state(engine: Any, state: Any) -> bool:

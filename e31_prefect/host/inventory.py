@@ -21,6 +21,7 @@ import os
 import re
 import stat
 import threading
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -233,11 +234,16 @@ class Inventory:
 
     With ``locks``, a device is also taken on the host's lock folder, so two worker processes
     never rent it at once; :meth:`lock_files` hands the held locks to the run's supervisor.
+
+    A run whose work still loads holds nothing: its poll only plans devices for it (:meth:`plan`),
+    which this worker's next polls leave to it a while, and it rents from what is free once ready
+    (:meth:`choose`).
     """
 
     def __init__(self, devices: Iterable[Device], locks: Path | None = None, log: logging.Logger | None = None):
         self.devices: list[Device] = sorted(devices)
         self._holder: dict[Device, UUID] = {}
+        self._planned: dict[UUID, tuple[tuple[Device, ...], float]] = {}  # devices, and until when (monotonic)
         self._files: dict[Device, int] = {}
         self._host = HostLocks(locks, log) if locks is not None else None
         self._lock = threading.Lock()
@@ -272,7 +278,35 @@ class Inventory:
             self._files.update(taken)
             for device in devices:
                 self._holder[device] = flow_run_id
+            self._planned.pop(flow_run_id, None)
             return True
+
+    def plan(self, flow_run_id: UUID, devices: Sequence[Device], seconds: float) -> None:
+        """Note that a poll placed the run on these devices while its work loads. Nothing is held (no lock, no
+        holder: another run, of this worker or another, may rent them meanwhile); for ``seconds`` at most,
+        this worker's polls plan around them (:meth:`planned`)."""
+        with self._lock:
+            self._planned[flow_run_id] = (tuple(devices), time.monotonic() + seconds)
+
+    def planned(self) -> dict[Device, UUID]:
+        """Each device a poll planned for a run that holds nothing yet, and that run; a plan past its time
+        is left out (its run loads for longer than a run should: it delays no other run)."""
+        at = time.monotonic()
+        with self._lock:
+            return {device: run for run, (devices, until) in self._planned.items() if until > at
+                    for device in devices}
+
+    def choose(self, flow_run_id: UUID, gpus: int, gpu_type: str | None) -> list[Device] | None:
+        """The devices the run would rent now: those planned for it where all are free, else the fitting free
+        ones no other run's plan names, else any fitting free ones; None where none fit."""
+        free = self.free()
+        with self._lock:
+            mine = sorted(self._planned.get(flow_run_id, ((), 0.0))[0])
+        if len(mine) == gpus and all(device in free for device in mine):
+            return mine
+        others = set(self.planned()) - set(mine)
+        unplanned = pick_devices([device for device in free if device not in others], gpus, gpu_type)
+        return unplanned if unplanned is not None else pick_devices(free, gpus, gpu_type)
 
     def give_back(self, flow_run_id: UUID) -> list[Device]:
         """Return every device the run holds to the pool; returns what was freed.
@@ -281,6 +315,7 @@ class Inventory:
         which holds the same open files, still runs.
         """
         with self._lock:
+            self._planned.pop(flow_run_id, None)
             freed = self._held(flow_run_id)
             for device in freed:
                 del self._holder[device]

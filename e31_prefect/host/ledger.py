@@ -80,9 +80,10 @@ class Spec:
     report_grace_seconds: float = 60.0  # how long a job that said its flow returned may take to end
     argv: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
-    # The job's variables that change how its interpreter starts (PYTHONPATH, LD_PRELOAD ...): given at the
-    # hand-over, so none of its code runs before it (its entry then starts again with them).
-    hand_over_env: dict[str, str] = field(default_factory=dict)
+    # The job's own variables (its deployment's and its work.env, its dirs): given at the hand-over, so nothing
+    # of the job acts before it (its entry starts again where one acts only as an interpreter starts). A null
+    # unsets a variable.
+    hand_over_env: dict[str, str | None] = field(default_factory=dict)
     cwd: str | None = None
     memory_bytes: int | None = None
     pids_limit: int | None = None

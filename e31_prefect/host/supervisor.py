@@ -39,6 +39,7 @@ import contextlib
 import ctypes
 import json
 import os
+import select
 import selectors
 import signal
 import socket
@@ -222,8 +223,8 @@ class Supervisor:
             self.record.message = f"the rented GPUs could not be opened to the job's processes: {exc}"
             return False
         with contextlib.suppress(OSError):  # a job that closed its end gets its variables nowhere: it ends
-            os.write(gate, json.dumps({"env": {**self.spec.hand_over_env, **(handed.get("env") or {})}}).encode()
-                     + b"\n")
+            _write_all(gate, json.dumps({"env": {**self.spec.hand_over_env, **(handed.get("env") or {})}}).encode()
+                       + b"\n")
         os.close(gate)
         self.record.started = now().isoformat()
         self.stop_at = moment(handed.get("stop_at"))
@@ -362,6 +363,19 @@ def _words(pipe: int) -> list[str]:
     except BlockingIOError:
         return []
     return said.decode(errors="replace").split() or []
+
+
+def _write_all(fd: int, data: bytes, seconds: float = 10.0) -> None:
+    """All of ``data`` to the gate, which holds 64 KiB where the job's environment may be more: its entry reads
+    it as it waits. TimeoutError after ``seconds`` (an entry that died reads no more)."""
+    deadline, left = time.monotonic() + seconds, memoryview(data)
+    while left:
+        try:
+            left = left[os.write(fd, left):]
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise TimeoutError("the work read no more of its hand-over") from None
+            select.select([], [fd], [], KILL_RETRY_SECONDS)
 
 
 def _open_gate(path: Path) -> int:

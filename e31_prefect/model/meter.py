@@ -15,7 +15,7 @@ STEP_MEANING = {
     "submitted": "scheduled start of the flow run",
     "picked": "an e31 worker took the run",
     "staged": "inputs copied into the workspace",
-    "ready": "the job's process loaded Prefect, waiting for its devices (not billed)",
+    "ready": "the job's work loaded Prefect, waiting for its devices (a process: before the rent, not billed)",
     "rented": "devices handed to the work: the meter starts",
     "running": "the work started",
     "run_ended": "the work ended and the devices went back: the meter stops",
@@ -110,18 +110,19 @@ def tags(meter: Meter, outcome: str | None = None) -> list[str]:
 
 
 def table(meter: Meter) -> list[dict[str, object]]:
-    """Artifact rows: each step with its time, the seconds since the previous step, and the bill."""
+    """Artifact rows: each step with its time, the seconds since the previous step, and the bill; in the order
+    the steps happened (a container is ready after its rent)."""
     rows: list[dict[str, object]] = []
     previous: datetime | None = None
-    for step in STEPS:
-        at = meter.marks.get(step)
-        if at is None:
-            continue
+    rented, ended = meter.marks.get("rented"), meter.marks.get("run_ended")
+    for step in sorted(meter.marks, key=lambda step: (meter.marks[step], STEPS.index(step))):
+        at = meter.marks[step]
         rows.append({
             "step": step,
             "at": at.isoformat(),
             "seconds": round((at - previous).total_seconds(), 3) if previous else 0.0,
-            "billed": step in ("running", "run_ended"),
+            # The seconds since the previous step lie within the rent: from its start, before the work's end.
+            "billed": None not in (previous, rented, ended) and rented <= previous < ended,  # type: ignore[operator]
             "meaning": STEP_MEANING[step],
         })
         previous = at

@@ -4,9 +4,11 @@ A :class:`Runtime` is chosen once per run (:func:`e31_prefect.surface.life.runti
 ``work.image`` runs in a container, one without runs as a local process. Either
 way the run's supervisor owns the work; the runtime says what it runs.
 
-The work starts before the rent where it can (:meth:`Runtime.starts_before_rent`):
-it loads Prefect with no device visible and is handed its devices' variables
-(:func:`hand_over_environment`) once they are rented.
+A local process loads Prefect before the rent (:attr:`Runtime.loads_before_rent`),
+with no device visible and nothing of the job's, and is handed its devices'
+variables (:func:`hand_over_environment`) and the job's own environment once
+they are rented. A container is created once its devices are rented: its image
+is the job's code.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ DEFAULT_PIDS_LIMIT = 4096
 @dataclass(frozen=True)
 class Placement:
     """One run's work as placed on this host: its job, workspace and ledger folder, and the devices it is
-    started with (none where it starts before the rent and is handed them: :func:`hand_over_environment`)."""
+    started with (none where it loads before the rent and is handed them: :func:`hand_over_environment`)."""
 
     run_id: str
     job: Job
@@ -87,13 +89,12 @@ class Runtime(Protocol):
 
     name: str  # "process" or "container", as the ledger records it
     died: Ending  # how a run whose work died before reporting its state ends
+    # Whether the work loads Prefect before its devices are rented (nothing of the job's in it until they are
+    # handed over), or is started with them, after the rent, and billed from then (an image is the job's code).
+    loads_before_rent: bool
 
     async def check(self) -> str | None:
         """Before renting: a reason this host cannot run the job (None: it can)."""
-
-    def starts_before_rent(self, job: Job) -> bool:
-        """Whether the job's work can start (and load Prefect) before its devices are rented, to be handed
-        them; else it is started with them, after the rent, and waits for the hand-over all the same."""
 
     def spec(self, placement: Placement) -> Spec:
         """What the supervisor runs."""

@@ -280,41 +280,38 @@ class ContainerEvents:
 
 
 class ContainerRuntime:
-    """A run as a container on this host's Docker engine, created through prefect-docker."""
+    """A run as a container on this host's Docker engine, created through prefect-docker once its devices
+    are rented.
+
+    The image is the job's code (its entrypoint, its Python and what that Python loads as it starts), so a
+    container is never started before its rent: it is created with its devices, loads Prefect, waits at the
+    same gate as a process and is billed from the rent.
+    """
 
     name = "container"
     died = endings.CONTAINER_DIED
+    loads_before_rent = False
 
     def __init__(self, worker: DockerWorker, configuration: Any):
         self.worker = worker
         self.configuration = configuration
         self.send_gpus = False
-        self.engine_gpus = False
         self.events: ContainerEvents | None = None
-
-    def starts_before_rent(self, job: Job) -> bool:
-        # An engine that runs GPUs gives a container its devices as it is created (a device request, or the
-        # NVIDIA runtime reading NVIDIA_VISIBLE_DEVICES): such a container is created once they are rented,
-        # and billed from then, since the image's own code holds them from its start. Elsewhere no GPU can
-        # reach a container, and its devices are only variables, handed over like a process's.
-        return job.request.gpus == 0 or not (self.send_gpus or self.engine_gpus)
 
     async def check(self) -> str | None:
         try:
-            self.send_gpus, self.engine_gpus = await asyncio.to_thread(self._engine_takes_device_requests)
+            self.send_gpus = await asyncio.to_thread(self._engine_takes_device_requests)
         except Exception as exc:
             return f"this host's Docker engine does not answer ({exc})"
         return None
 
-    def _engine_takes_device_requests(self) -> tuple[bool, bool]:
-        """Reach the Docker engine (raises if none answers); say whether to send GPU device requests, and
-        whether it runs GPUs at all."""
+    def _engine_takes_device_requests(self) -> bool:
+        """Reach the Docker engine (raises if none answers); say whether to send GPU device requests."""
         client = self.worker._get_client()
         try:
             client.ping()
-            runs_gpus = engine_runs_gpus(client)
             choice = self.configuration.gpu_device_requests
-            return choice == "on" or (choice == "auto" and runs_gpus), runs_gpus
+            return choice == "on" or (choice == "auto" and engine_runs_gpus(client))
         finally:
             client.close()
 

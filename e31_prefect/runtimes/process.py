@@ -1,9 +1,11 @@
 """The process runtime: the flow run as a local process, in a session and cgroup of its own.
 
-Its supervisor starts ``python -m e31_prefect.job_entry`` (Prefect's engine,
-saying when the work is done) before the rent, with no device visible; the
-entry is handed exactly the rented devices, and every process of it is killed
-at the end.
+Its supervisor starts ``python -s -P -m e31_prefect.job_entry`` (Prefect's
+engine, saying when the work is done) before the rent, with no device visible
+and nothing of the job's: e31's own environment (:func:`environment`), no
+working folder or user site on ``sys.path``. The entry is handed exactly the
+rented devices and the job's own environment (:func:`job_variables`), and every
+process of it is killed at the end.
 """
 
 from __future__ import annotations
@@ -15,13 +17,16 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from e31_prefect.data.results import result_environment
 from e31_prefect.host import job_users
+from e31_prefect.host.inventory import visible_devices_env
 from e31_prefect.host.ledger import Spec
-from e31_prefect.job_entry import START_VARIABLES  # held back until the hand-over, where the entry restarts
+from e31_prefect.job_entry import entry_arguments
 from e31_prefect.model import endings
 from e31_prefect.runtimes import (
     API_SOCKET_VARIABLE,
     HAND_OVER_VARIABLE,
+    WITHHELD_PREFECT,
     WORK_ENDED_VARIABLE,
     Placement,
     job_environment,
@@ -32,8 +37,8 @@ if TYPE_CHECKING:
     from e31_prefect.host.settings import E31Settings
     from e31_prefect.host.supervision import Supervisor
 
-# All a job takes from its worker's environment: where programs and Python's modules are, and the locale.
-# Nothing else (credentials, the worker's settings) reaches it.
+# All a job's process takes from its worker's environment: where programs and Python's modules are (e31's and
+# Prefect's), and the locale. Nothing else (credentials, the worker's settings) reaches it.
 HOST_VARIABLES = ("PATH", "PYTHONPATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ")
 
 
@@ -43,14 +48,12 @@ class ProcessRuntime:
 
     name = "process"
     died = endings.PROCESS_DIED
+    loads_before_rent = True  # its devices are only variables, set by its entry at the hand-over
 
     def __init__(self, settings: E31Settings, configuration: Any):
         self.settings = settings
         self.configuration = configuration
         self.isolated = settings.job_users == "auto" and os.geteuid() == 0
-
-    def starts_before_rent(self, job: Any) -> bool:
-        return True  # its devices are only variables, set by its entry at the hand-over
 
     async def check(self) -> str | None:
         if not self.isolated:
@@ -75,15 +78,9 @@ class ProcessRuntime:
                     "job_hidden": [str(self.settings.device_locks), str(job_users.LOCKS)],
                     "job_temp_bytes": self.settings.job_temp_bytes,
                     "job_uids": [uids[0], uids[-1]]} if self.isolated else {}
-        env = environment(placement, home)
-        held = {name: value for name, value in placement.job.work.env.items() if name.startswith(START_VARIABLES)}
-        for name in held:  # the host's value (where e31 and Prefect are) until the hand-over, else none
-            env.pop(name, None)
-            if name in HOST_VARIABLES and name in os.environ:
-                env[name] = os.environ[name]
         return placement.spec(
-            self.name, argv=[sys.executable, "-m", "e31_prefect.job_entry"], env=env, hand_over_env=held,
-            cwd=str(placement.workspace), **isolated)
+            self.name, argv=[sys.executable, *entry_arguments(user_site=False)], env=environment(placement, home),
+            hand_over_env=job_variables(placement), cwd=str(placement.workspace), **isolated)
 
     async def start(self, placement: Placement, supervisor: Supervisor) -> None:
         return None  # the supervisor starts the process itself
@@ -120,14 +117,29 @@ def unreadable_to_jobs(paths: list[Path]) -> list[str]:
 
 
 def environment(placement: Placement, home: Path) -> dict[str, str]:
-    """The job's environment, explicit: paths and locale, a home in its workspace (Prefect's own there
-    too, so no profile of the worker's is read), Prefect's variables for the run, the job's own, its
-    devices and dirs, and its gateway to the Prefect API."""
+    """What the job's process starts with, before its hand-over: e31's own, an allow-list with nothing of the
+    job's. The host's paths and locale, a home in its workspace (Prefect's own there too, so no profile of
+    the worker's is read), Prefect's variables for the run as the worker sets them (not the ``env`` job
+    variable's), where the flow's result is kept, no device, its pipes and its gateway to the Prefect API."""
     host = {k: os.environ[k] for k in HOST_VARIABLES if k in os.environ}
     return {**host, "HOME": str(home), "PREFECT_HOME": str(home / ".prefect"),
-            **prefect_environment(placement.configuration.env),
-            **job_environment(placement.job, placement.devices, placement.data_dir, placement.output_dir,
-                              placement.configuration.shards_start),
+            **prefect_environment(placement.configuration.run_environment),
+            **result_environment(placement.output_dir),
+            **visible_devices_env([]),
             WORK_ENDED_VARIABLE: str(placement.folder.work_ended_pipe),
             HAND_OVER_VARIABLE: str(placement.folder.hand_over_pipe),
             API_SOCKET_VARIABLE: str(placement.folder.api_socket)}
+
+
+def job_variables(placement: Placement) -> dict[str, str | None]:
+    """What the job and its deployment declare (the ``env`` job variable, then work.env), and its dirs and
+    shards: given at the hand-over with its devices (which come last, so it cannot widen its view), set by
+    its entry before any code of the job runs. A null unsets one of Prefect's variables, as the job
+    variable asks."""
+    given = placement.configuration.given_environment
+    unset = {name: None for name, value in given.items() if value is None and not name.startswith(WITHHELD_PREFECT)}
+    job = job_environment(placement.job, [], placement.data_dir, placement.output_dir,
+                          placement.configuration.shards_start)
+    control = (WORK_ENDED_VARIABLE, HAND_OVER_VARIABLE, API_SOCKET_VARIABLE)  # the entry's, given at its start
+    return {name: value for name, value in {**unset, **prefect_environment(given), **job}.items()
+            if name not in control}

@@ -13,10 +13,9 @@ ledger folder lives until the meter is closed. When the worker itself is told
 to stop, a life that rented leaves its work to the supervisor and its folder
 to the next worker; one that had not rented yet hands its run back to the pool.
 
-The work is prepared before the rent where its runtime allows: its process (or
-container) loads Prefect with no device visible and waits; the devices are
-rented then and handed over, and the meter starts at the hand-over: no team
-pays for Prefect's start-up.
+A process loads Prefect before the rent, with no device and nothing of the job's, holding nothing; then
+the devices are rented from what is free and handed over with the job's environment: the meter starts
+there. A container (its image is the job's code) is created once its devices are rented.
 """
 
 from __future__ import annotations
@@ -47,7 +46,7 @@ from e31_prefect.data.staging import (
 from e31_prefect.flows.command_flow import COMMAND_FLOW_ENTRYPOINT
 from e31_prefect.flows.flow_shards import FLOW_SHARDS_ENTRYPOINT
 from e31_prefect.host import cgroups, disk, output_bounds
-from e31_prefect.host.inventory import Device, gpu_minors, pick_devices
+from e31_prefect.host.inventory import Device, gpu_minors
 from e31_prefect.host.ledger import Holding, Record, RunFolder, now, output_tail, this_process
 from e31_prefect.host.output_bounds import OutputBounds
 from e31_prefect.host.supervision import Supervisor
@@ -174,10 +173,10 @@ class JobLife(Sending, Watching):
         async with self.output_disk():
             await self.stage(job)
             async with AsyncExitStack() as held:
-                if runtime.starts_before_rent(job):
+                if runtime.loads_before_rent:  # nothing of the job's in it until the hand-over; nothing held
                     supervisor = await held.enter_async_context(self.prepare(job, runtime, []))
                     rental = await held.enter_async_context(self.rent(job, runtime))
-                else:  # given its devices as it is created (a container's GPUs): rented first, billed from then
+                else:  # the job's own code from its start (a container's image): rented first, billed from then
                     rental = await held.enter_async_context(self.rent(job, runtime))
                     self.meter.mark("rented", now())
                     self._save()
@@ -292,13 +291,13 @@ class JobLife(Sending, Watching):
         slots' lease for the worker that adopts the run.
         """
         inventory = self.worker.inventory
-        devices = inventory.held_by(self.run_id)
-        if len(devices) != job.request.gpus:
-            wanted = pick_devices(inventory.free(), job.request.gpus, job.request.gpu_type)
-            if wanted is None or not inventory.hold(self.run_id, wanted):
-                raise Ends(endings.HANDED_BACK.saying(
-                    f"No {job.request.gpus} free GPU(s) on worker {self.worker.name!r}; rescheduled."))
-            devices = wanted
+        # From what is free now: the run held nothing as its work loaded. None fits: back to the pool, unbilled.
+        devices = inventory.choose(self.run_id, job.request.gpus, job.request.gpu_type)
+        if devices is None or not inventory.hold(self.run_id, devices):
+            when = " when its work was ready (rented to others as it loaded)" if runtime.loads_before_rent else ""
+            raise Ends(endings.HANDED_BACK.saying(
+                f"No {job.request.gpus} free GPU(s) on worker {self.worker.name!r}{when}; nothing of it ran and "
+                "nothing was billed. Rescheduled."))
         try:
             self.lease = await self._acquire(job, len(devices))
             self.devices = devices

@@ -56,6 +56,10 @@ from e31_prefect.surface.worker_configuration import E31JobConfiguration, E31Var
 if TYPE_CHECKING:
     from prefect.client.schemas.responses import WorkerFlowRunResponse
 
+# How long a poll's plan for a run whose work loads (holding nothing) is left to it by the next polls: past it
+# the run delays no other; it rents from what is free once ready, or goes back to the pool (e31_prefect.surface.life).
+LOADING_PLAN_SECONDS = 30.0
+
 
 class E31WorkerResult(BaseWorkerResult):
     """How a flow run's infrastructure ended."""
@@ -191,8 +195,8 @@ class E31Worker(BacklogReading, DockerWorker):
         if not self._serving or self._work_pool is None:
             return
         free = set(self.inventory.free())
-        holds: dict[Any, datetime | None] = {device: self.planned_end(holder)
-                                             for device, holder in self.inventory.holders().items()}
+        taken = {**self.inventory.planned(), **self.inventory.holders()}  # a loading run's plan, as the poll's
+        holds: dict[Any, datetime | None] = {device: self.planned_end(holder) for device, holder in taken.items()}
         for device in self.inventory.devices:
             if device not in free and device not in holds:
                 holds[device] = None  # held by another process on this host, end unknown
@@ -268,12 +272,15 @@ class E31Worker(BacklogReading, DockerWorker):
             return in_flight
         waiting = await self._waiting_runs(responses, queues, deployments)
         now = datetime.now(timezone.utc)
-        busy = [Busy(device, self.planned_end(holder)) for device, holder in self.inventory.holders().items()]
+        # Runs whose work still loads hold nothing; their planned devices are left to them a while.
+        taken = {**self.inventory.planned(), **self.inventory.holders()}
+        busy = [Busy(device, self.planned_end(holder)) for device, holder in taken.items()]
         changed = waiting is not self._queued
         if changed:  # else the queue holds these very runs already
             self.queue.sync(run for run, _, _ in waiting.values())
             self._queued = waiting
-        decision = decide(self.queue, self.inventory.free(), now, busy, promised=self._promised)
+        free = [device for device in self.inventory.free() if device not in taken]
+        decision = decide(self.queue, free, now, busy, promised=self._promised)
         self._promised = decision.reserved
         by_id = {r.flow_run.id: r for r in responses} if decision.missed or decision.start else {}
         for run in decision.missed:
@@ -282,20 +289,21 @@ class E31Worker(BacklogReading, DockerWorker):
                 self.backlog_watch.drop(run.id)
         chosen: list[WorkerFlowRunResponse] = []
         for run, devices in decision.start:
-            if self.inventory.hold(run.id, devices):
-                chosen.append(by_id[run.id])
-                if run.duration is not None:
-                    self.holds_until[run.id] = now + run.duration
-                    if run.limit is not None:  # planned by a prediction: the limit still stops it
-                        self.predicted_until[run.id] = now + run.duration
-                        self.predicted_length[run.id] = run.duration
-                        if run.latest_start is not None:
-                            self.admitted_latest[run.id] = run.latest_start
+            # Planned, not held: the run rents from what is free once its work is ready.
+            self.inventory.plan(run.id, devices, LOADING_PLAN_SECONDS)
+            chosen.append(by_id[run.id])
+            if run.duration is not None:
+                self.holds_until[run.id] = now + run.duration
+                if run.limit is not None:  # planned by a prediction: the limit still stops it
+                    self.predicted_until[run.id] = now + run.duration
+                    self.predicted_length[run.id] = run.duration
+                    if run.latest_start is not None:
+                        self.admitted_latest[run.id] = run.latest_start
         if self._serving and (changed or decision.start) and self.plan_writer.due():
             self.plan_writer.start(functools.partial(self._pool_plan, waiting, responses))
         submitted = {run.id for run in await self._submit_scheduled_flow_runs(flow_run_response=chosen)}
         for response in chosen:
-            if response.flow_run.id not in submitted:  # Prefect's limiter (--limit) said no: hold nothing for it
+            if response.flow_run.id not in submitted:  # Prefect's limiter (--limit) said no: plan nothing for it
                 self.return_devices(response.flow_run.id)
             elif self.backlog_watch is not None:
                 self.backlog_watch.drop(response.flow_run.id)
@@ -354,7 +362,7 @@ class E31Worker(BacklogReading, DockerWorker):
 
     def _release_limit_slot(self, flow_run_id: UUID) -> None:
         # Called by Prefect whenever a run stops occupying this worker, including a submission
-        # another worker won: the devices reserved for it go back too, and a claim never lived.
+        # another worker won: the devices planned or held for it go back too, and a claim never lived.
         self.return_devices(flow_run_id)
         self._drop_claim(flow_run_id)
         super()._release_limit_slot(flow_run_id)

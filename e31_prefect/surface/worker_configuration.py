@@ -111,6 +111,7 @@ class _Configuration(DockerWorkerJobConfiguration):
     _job_name: str = PrivateAttr(default="job")
     _command_given: str | None = PrivateAttr(default=None)
     _env_given: dict[str, Any] | None = PrivateAttr(default=None)
+    _run_env: dict[str, str] | None = PrivateAttr(default=None)
     _labels_given: dict[str, Any] | None = PrivateAttr(default=None)
     _job_folder: Path | None = PrivateAttr(default=None)
     _code_folder: Path | None = PrivateAttr(default=None)
@@ -131,11 +132,21 @@ class _Configuration(DockerWorkerJobConfiguration):
         worker_name: str | None = None,
         worker_id: UUID | None = None,
     ) -> None:
-        """Stamp Prefect's environment and labels; the job is named after its deployment."""
-        self._command_given, self._env_given, image = self.command, dict(self.env or {}), self.image
+        """Stamp Prefect's environment and labels; the job is named after its deployment.
+
+        Prefect's own variables for the run (the worker's settings, the flow run's id, who runs it) are kept
+        apart from what the ``env`` job variable adds (:attr:`run_environment`): a job's process waits for its
+        hand-over with the first only.
+        """
+        given = dict(self.env or {})
+        self._command_given, self._env_given, image = self.command, given, self.image
         self._labels_given = dict(self.labels or {})
         self.image = image or "unused"  # spares prefect-docker computing a default image (a git subprocess)
+        self.env = {}
         super().prepare_for_flow_run(flow_run, deployment, flow, work_pool, worker_name, worker_id=worker_id)
+        self._run_env = dict(self.env)
+        # As Prefect merges them: the job variable last, a null unsetting one of Prefect's.
+        self.env = {name: value for name, value in {**self._run_env, **given}.items() if value is not None}
         self.image = image
         self._job_name = job_name(deployment.name if deployment else flow_run.name)  # Prefect allows spaces
         self._job_folder = job_folder(deployment)
@@ -147,7 +158,8 @@ class _Configuration(DockerWorkerJobConfiguration):
             # A run with no deployment (an @e31 flow) names its source file: the flow is loaded
             # from there, and the file's folder is its code (mounted read-only in a container).
             folder = Path(entrypoint.rsplit(":", 1)[0]).parent
-            self.env["PREFECT__FLOW_ENTRYPOINT"] = self._entrypoint = entrypoint
+            self.env["PREFECT__FLOW_ENTRYPOINT"] = self._run_env["PREFECT__FLOW_ENTRYPOINT"] = entrypoint
+            self._entrypoint = entrypoint
             self._job_folder = self._code_folder = folder if folder.is_dir() else None
             if flow is not None:
                 self._job_name = job_name(flow.name)
@@ -156,6 +168,18 @@ class _Configuration(DockerWorkerJobConfiguration):
     def entrypoint(self) -> str | None:
         """The flow the run's deployment (or decorated flow) runs, where known."""
         return self._entrypoint
+
+    @property
+    def run_environment(self) -> dict[str, str]:
+        """Prefect's variables for the run as the worker sets them, without the ``env`` job variable's (none
+        before :meth:`prepare_for_flow_run`: then every variable counts as the job's)."""
+        return dict(self._run_env or {})
+
+    @property
+    def given_environment(self) -> dict[str, str | None]:
+        """The ``env`` job variable as the deployment and the run give it (the job's own, as its work.env is;
+        a null asks one of Prefect's variables unset)."""
+        return dict(self.env if self._env_given is None else self._env_given)
 
     @property
     def shards_start(self) -> tuple[list[str], str] | None:

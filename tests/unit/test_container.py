@@ -196,14 +196,3 @@ def test_the_pool_form_describes_every_docker_setting_as_it_works_on_e31():
     assert "Refused: PREFECT_API_URL" in form["env"]["description"]
     assert "CUDA_VISIBLE_DEVICES" in form["env"]["description"]
     assert E31Variables.model_fields["image"].default is None
-
-
-def test_a_gpu_container_on_an_engine_that_runs_gpus_starts_after_the_rent_any_other_before():
-    runtime = container.ContainerRuntime(worker=None, configuration=None)  # type: ignore[arg-type]
-    runtime.send_gpus = True  # an engine with the NVIDIA runtime: GPUs are device requests, given at create
-    assert not runtime.starts_before_rent(job(gpus=2))
-    assert runtime.starts_before_rent(job(gpus=0))
-    runtime.send_gpus, runtime.engine_gpus = False, True  # no requests, but the runtime reads the variables
-    assert not runtime.starts_before_rent(job(gpus=2)), "NVIDIA_VISIBLE_DEVICES is read as it is created"
-    runtime.engine_gpus = False  # no GPU reaches any container here: its devices are variables, handed over
-    assert runtime.starts_before_rent(job(gpus=2))

@@ -271,6 +271,37 @@ def test_two_runs_never_hold_the_same_device():
     assert pool.free() == [FOUR[1]]
 
 
+def test_a_run_planned_while_its_work_loads_holds_nothing_on_the_host(tmp_path):
+    worker, other = Inventory(FOUR, tmp_path), Inventory(FOUR, tmp_path)  # two workers on one host
+    loading = uuid4()
+    worker.plan(loading, FOUR[:2], seconds=60)
+    assert worker.planned() == {FOUR[0]: loading, FOUR[1]: loading}, "this worker's polls plan around them"
+    assert worker.free() == FOUR and worker.held_by(loading) == []
+    assert other.hold(uuid4(), FOUR[:1]), "another worker's run rents a planned device at once"
+
+
+def test_a_ready_run_rents_its_planned_devices_else_what_is_free_else_nothing():
+    pool, run, second, elsewhere = Inventory(FOUR), uuid4(), uuid4(), uuid4()
+    pool.plan(run, FOUR[2:3], seconds=60)
+    pool.plan(second, FOUR[0:1], seconds=60)
+    assert pool.choose(run, 1, None) == [FOUR[2]]
+    assert pool.hold(elsewhere, [FOUR[2]])  # rented to another run while this one loaded
+    assert pool.choose(run, 1, None) == [FOUR[1]], "what is free, before a device another loading run plans on"
+    assert pool.hold(run, [FOUR[1]]) and pool.planned() == {FOUR[0]: second}, "holding ends its plan"
+    pool.hold(uuid4(), [FOUR[3]])
+    assert pool.choose(uuid4(), 1, None) == [FOUR[0]], "a loading run's planned device, where nothing else is free"
+    assert pool.choose(uuid4(), 2, None) is None
+
+
+def test_a_plan_past_its_time_delays_no_other_run_and_goes_with_the_run():
+    pool, slow, gone = Inventory(FOUR), uuid4(), uuid4()
+    pool.plan(slow, FOUR[:1], seconds=0)
+    assert pool.planned() == {}, "a run loading for longer than a run should is planned around no more"
+    pool.plan(gone, FOUR[1:2], seconds=60)
+    pool.give_back(gone)
+    assert pool.planned() == {}
+
+
 def test_threads_racing_for_the_same_devices_never_share_one():
     pool = Inventory([Device(i, "H100") for i in range(8)])
     runs = [uuid4() for _ in range(32)]

@@ -178,6 +178,7 @@ class CommandRuntime:
 
     name = "process"
     died = endings.PROCESS_DIED
+    loads_before_rent = True
 
     def __init__(self, code: str, problem: str | None = None, before_gate: str = ""):
         self.code = code
@@ -186,9 +187,6 @@ class CommandRuntime:
 
     async def check(self) -> str | None:
         return self.problem
-
-    def starts_before_rent(self, job: Any) -> bool:
-        return True
 
     def spec(self, placement: Placement) -> Spec:
         return placement.spec(self.name, argv=[sys.executable, "-c", self.before_gate + GATE + self.code],
@@ -311,6 +309,20 @@ async def test_rent_hands_the_run_back_when_no_device_is_free(tmp_path):
     ending = await ending_of_async(lambda: rent_and(life))
     assert ending.handed_back and "No 3 free GPU(s)" in ending.message
     assert life.folder.holding() is None and "rented" not in life.meter.marks
+
+
+async def test_a_ready_run_whose_planned_device_was_rented_meanwhile_rents_what_is_free_or_goes_back(tmp_path):
+    life = life_for(tmp_path)  # two GPUs
+    life.worker.inventory.plan(life.run_id, [Device(0, "H100")], seconds=60)
+    assert life.worker.inventory.hold(uuid4(), [Device(0, "H100")])  # another run's, while this one loaded
+    assert (await rent_and(life)).devices == [Device(1, "H100")]
+    alone = life_for(tmp_path / "one", gpus=1)
+    alone.worker.inventory.plan(alone.run_id, [Device(0, "H100")], seconds=60)
+    assert alone.worker.inventory.hold(uuid4(), [Device(0, "H100")])
+    ending = await ending_of_async(lambda: rent_and(alone))
+    assert ending.handed_back and not ending.billed
+    assert "when its work was ready" in ending.message and "nothing was billed" in ending.message
+    assert alone.folder.holding() is None and "rented" not in alone.meter.marks
 
 
 async def test_rent_hands_the_run_back_for_later_when_its_quota_is_full(tmp_path):
@@ -570,14 +582,13 @@ async def test_a_whole_life_refused_at_admission_sets_its_state_and_bills_nothin
 
 
 class RentFirstRuntime(CommandRuntime):
-    """A runtime whose devices are given as its work is created (a container's GPU device requests)."""
+    """A runtime whose work is the job's code from its start (a container's image): created once rented."""
+
+    loads_before_rent = False
 
     def __init__(self, code: str, seen: dict[str, Any]):
         super().__init__(code)
         self.seen = seen
-
-    def starts_before_rent(self, job: Any) -> bool:
-        return False
 
     def spec(self, placement: Placement) -> Spec:
         self.seen["devices"] = placement.devices  # what it is created with

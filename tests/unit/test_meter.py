@@ -209,6 +209,14 @@ def test_billed_rows_add_up_to_the_total():
     assert sum(r["seconds"] for r in rows[:-1] if r["billed"]) == rows[-1]["seconds"]
 
 
+def test_a_container_ready_after_its_rent_is_listed_after_it_and_its_load_billed():
+    meter = metered(timeline={**TIMELINE, "rented": 184, "ready": 200})  # created once rented, then loaded
+    rows = table(meter)
+    assert [row["step"] for row in rows][3:6] == ["rented", "ready", "running"]
+    assert [(row["seconds"], row["billed"]) for row in rows[3:6]] == [(4.0, False), (16.0, True), (5.0, True)]
+    assert sum(r["seconds"] for r in rows[:-1] if r["billed"]) == rows[-1]["seconds"] == 3741.0
+
+
 def test_table_skips_steps_that_did_not_happen():
     meter = Meter(gpus=1)
     meter.mark("submitted", at(0))
