@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import uuid
 from pathlib import Path
 
@@ -98,14 +99,29 @@ def look(folders: list[str], key: int) -> None:
 """
 
 SEE = """
-import json, os
+import fcntl, json, os
 from pathlib import Path
 from prefect import flow
 
 @flow
-def see(pid: int) -> None:
-    seen = {"planted_alive": os.path.exists(f"/proc/{pid}") and "zombie" not in Path(f"/proc/{pid}/status").read_text()}
+def see(lock: str) -> None:
+    # A process of the host holds this lock while it lives: a job sees no process of the host in its own /proc,
+    # but a lock is the kernel's, whatever the namespace.
+    fd = os.open(lock, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        seen = {"planted_alive": False}
+    except BlockingIOError:
+        seen = {"planted_alive": True}
     Path(os.environ["E31_OUTPUT_DIR"], "seen.json").write_text(json.dumps(seen))
+"""
+
+HOLD = """
+import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDONLY)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("held", flush=True)
+time.sleep(600)
 """
 
 GRAB = """
@@ -238,15 +254,21 @@ def test_a_job_cannot_hold_the_lock_of_a_device_it_never_rented(prefect_server, 
 
 def test_what_a_killed_supervisor_left_of_its_uid_is_gone_before_the_uid_is_handed_out(
         prefect_server, tmp_path, pool, nothing_of_the_uid_left):
-    # As a run whose supervisor was killed outright leaves its uid: a process still running as it, and a
-    # 0600 file of it in the host's /tmp.
-    planted = subprocess.Popen(["sleep", "600"], user=UID, group=UID, extra_groups=[], start_new_session=True)
+    # As a run whose supervisor was killed outright leaves its uid: a process still running as it (holding a
+    # lock in the job's folder while it lives), and a 0600 file of it in the host's /tmp.
+    lock = tmp_path / "after-kill" / "planted.lock"
+    lock.parent.mkdir()
+    lock.touch(mode=0o644)
+    os.chown(lock, UID, UID)
+    planted = subprocess.Popen([sys.executable, "-c", HOLD, str(lock)], user=UID, group=UID, extra_groups=[],
+                               start_new_session=True, stdout=subprocess.PIPE, text=True)
+    assert planted.stdout.readline() == "held\n"
     secret = Path("/tmp/e31-secret")
     secret.write_text("the-secret")
     secret.chmod(0o600)
     os.chown(secret, UID, UID)
     try:
-        seen = run(tmp_path, "after-kill", SEE, "see", {"pid": planted.pid}, pool)
+        seen = run(tmp_path, "after-kill", SEE, "see", {"lock": str(lock)}, pool)
     finally:
         planted.kill()
         planted.wait()
