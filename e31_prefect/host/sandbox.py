@@ -38,10 +38,11 @@ from pathlib import Path
 
 CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWPID, CLONE_NEWNET = 0x00020000, 0x08000000, 0x20000000, 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 0x1, 0x2, 0x4, 0x8
+MS_BIND, MS_REC, MS_PRIVATE = 0x1000, 0x4000, 0x40000
 MNT_DETACH = 0x2
 PROC = Path("/proc")
-JOINED = (("net", CLONE_NEWNET), ("ipc", CLONE_NEWIPC), ("mnt", CLONE_NEWNS))  # mnt last: it moves the root
-MS_BIND, MS_REC, MS_PRIVATE = 0x1000, 0x4000, 0x40000
+# The namespaces a job's process joins beside its PID namespace's init; the mount namespace last (it moves the root).
+JOINED = (("net", CLONE_NEWNET), ("ipc", CLONE_NEWIPC), ("mnt", CLONE_NEWNS))
 MQUEUE = Path("/dev/mqueue")  # POSIX message queues as files: the mounting process's IPC namespace's
 SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
 

@@ -56,18 +56,22 @@ def wait_for(condition, seconds=120):
 
 LOOK = LISTING + """
 @flow
-def look(marker: str, go: str):
+def look(marker: str, go: str, host_pid: int):
     # Its own marked process, for the job beside it to look for; then what it sees once both are up.
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", marker])
     wait_for(lambda: os.path.exists(go), 240)
     seen = {"proc": listing(), "ps": subprocess.run(["ps", "-eo", "pid=,ppid=,args="], capture_output=True,
                                                     text=True).stdout, "parent": os.getppid()}
+    try:
+        seen["host_environ"] = Path(f"/proc/{host_pid}/environ").read_text()
+    except OSError as error:
+        seen["host_environ"] = type(error).__name__
     child.kill()
     child.wait()
     (output_dir() / "seen.json").write_text(json.dumps(seen))
 """
 
-# A setsid daemon, double forked, and a process forked and left to exit at once: both orphans of the job.
+# A setsid daemon, double forked, and a process forked and left to exit at once: orphans of the job.
 LEAVE = LISTING + """
 DAEMON = '''
 import os, sys
@@ -79,15 +83,29 @@ if os.fork() == 0:
 os.wait()
 '''
 
+# A process whose main thread exits while another thread goes on and forks: /proc shows it as a zombie.
+HALF_GONE = '''
+import ctypes, subprocess, sys, threading, time
+def go_on():
+    while open("/proc/self/stat").read().rsplit(")", 1)[1].split()[0] != "Z":  # until its main thread is gone
+        time.sleep(0.01)
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", sys.argv[1] + "-under-a-zombie"])
+    time.sleep(600)
+threading.Thread(target=go_on).start()
+ctypes.CDLL(None).pthread_exit(None)
+'''
+
 @flow
 def leave(marker: str):
     subprocess.run([sys.executable, "-c", DAEMON, marker], check=True)
     subprocess.run([sys.executable, "-c", DAEMON.replace("time.sleep(600)", "pass"), "short-lived"], check=True)
-    seen = {}
     # Its daemon is its own, reparented to its namespace's init; the one that exited is reaped, no zombie.
     wait_for(lambda: any(marker in p["command"] for p in listing().values())
              and not any(p["state"] == "Z" for p in listing().values()))
-    seen["proc"] = listing()
+    seen = {"proc": listing()}
+    subprocess.Popen([sys.executable, "-c", HALF_GONE, marker], start_new_session=True)
+    seen["under_a_zombie"] = wait_for(lambda: any(marker + "-under-a-zombie" in p["command"]
+                                                  for p in listing().values()))
     (output_dir() / "seen.json").write_text(json.dumps(seen))
 """
 
@@ -159,7 +177,8 @@ def test_a_process_job_lists_only_its_own_processes_never_the_job_beside_it(pref
     for name in names:
         job = write_job(tmp_path / name, f"""
             name: {name}
-            work: {{flow: "flow.py:look", parameters: {{marker: {markers[name]}, go: "{tmp_path / name / 'go'}"}}}}
+            work: {{flow: "flow.py:look", parameters: {{marker: {markers[name]}, go: "{tmp_path / name / 'go'}",
+                                                       host_pid: {os.getpid()}}}}}
             request: {{gpus: 0, max_duration: 5m}}
             output: {{to: ./out/, expect: [seen.json]}}
             """, flow=LOOK)
@@ -188,11 +207,12 @@ def test_a_process_job_lists_only_its_own_processes_never_the_job_beside_it(pref
         assert all(the_jobs_own(line, markers[name]) for line in seen["ps"].splitlines()), seen["ps"]
         assert seen["proc"]["1"]["command"].split()[-1].endswith("e31_prefect/host/job_init.py")
         assert seen["parent"] == 0, "its parent (its supervisor) is outside its namespace"
+        assert seen["host_environ"] == "FileNotFoundError", "a process of the host, by its host pid"
 
 
 @pytest.mark.parametrize("use_cgroups", ["true", "false"], ids=["cgroup", "subreaper"])
-def test_a_jobs_daemon_is_its_own_and_gone_with_its_namespace_when_the_run_ends(prefect_server, tmp_path, pool,
-                                                                               use_cgroups):
+def test_a_jobs_daemons_are_its_own_and_gone_with_its_namespace_when_the_run_ends(prefect_server, tmp_path, pool,
+                                                                                 use_cgroups):
     marker = f"e31-daemon-{uuid.uuid4().hex[:8]}"
     job = write_job(tmp_path / "leave", f"""
         name: leave
@@ -202,8 +222,9 @@ def test_a_jobs_daemon_is_its_own_and_gone_with_its_namespace_when_the_run_ends(
         """, flow=LEAVE)
     result = cli("e31", "run", str(job), "--pool", pool, env={"E31_CGROUPS": use_cgroups})
     assert result.returncode == 0, result.stdout + result.stderr
-    assert host_processes_with(marker) == [], "the job's setsid daemon outlived its run"
+    assert host_processes_with(marker) == [], "the job's daemons outlived its run"
     seen = json.loads((tmp_path / "leave" / "out" / "seen.json").read_text())
+    assert seen["under_a_zombie"], "the process under the half-gone one never started"
     daemons = [process for process in seen["proc"].values() if marker in process["command"]]
     assert [daemon["ppid"] for daemon in daemons] == [1], "the daemon's new parent is the job's own init"
     assert [process for process in seen["proc"].values() if process["state"] == "Z"] == [], "an orphan unreaped"
