@@ -56,8 +56,9 @@ def wait_for(condition, seconds=120):
 
 LOOK = LISTING + """
 @flow
-def look(marker: str, go: str, host_pid: int):
-    # Its own marked process, for the job beside it to look for; then what it sees once both are up.
+def look(marker: str, go: str, done: str, host_pid: int):
+    # Its own marked process, for the job beside it to look for; then what it sees once both are up. The
+    # marked process lives on until the job beside it has looked too (each says so with a process of its own).
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", marker])
     wait_for(lambda: os.path.exists(go), 240)
     seen = {"proc": listing(), "ps": subprocess.run(["ps", "-eo", "pid=,ppid=,args="], capture_output=True,
@@ -66,8 +67,11 @@ def look(marker: str, go: str, host_pid: int):
         seen["host_environ"] = Path(f"/proc/{host_pid}/environ").read_text()
     except OSError as error:
         seen["host_environ"] = type(error).__name__
-    child.kill()
-    child.wait()
+    looked = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", marker + "-looked"])
+    wait_for(lambda: os.path.exists(done), 240)
+    for process in (child, looked):
+        process.kill()
+        process.wait()
     (output_dir() / "seen.json").write_text(json.dumps(seen))
 """
 
@@ -178,21 +182,23 @@ def test_a_process_job_lists_only_its_own_processes_never_the_job_beside_it(pref
         job = write_job(tmp_path / name, f"""
             name: {name}
             work: {{flow: "flow.py:look", parameters: {{marker: {markers[name]}, go: "{tmp_path / name / 'go'}",
-                                                       host_pid: {os.getpid()}}}}}
+                                                       done: "{tmp_path / name / 'done'}", host_pid: {os.getpid()}}}}}
             request: {{gpus: 0, max_duration: 5m}}
             output: {{to: ./out/, expect: [seen.json]}}
             """, flow=LOOK)
         runs[name] = subprocess.Popen([program, "run", str(job), "--pool", f"{pool}-{name}"], stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True)
     try:
-        # Both jobs' marked processes run at once (as the host sees them); then each looks.
-        deadline = time.monotonic() + 240
-        while not all(host_processes_with(marker) for marker in markers.values()):
-            assert all(run.poll() is None for run in runs.values()), [run.communicate()[0] for run in runs.values()]
-            assert time.monotonic() < deadline, "the two jobs never ran at the same time"
-            time.sleep(0.5)
-        for name in names:
-            (tmp_path / name / "go").write_text("")
+        # Both jobs' marked processes run at once (as the host sees them); then each looks, and both end once
+        # both have looked.
+        for step, said in (("go", ""), ("done", "-looked")):
+            deadline = time.monotonic() + 240
+            while not all(host_processes_with(marker + said) for marker in markers.values()):
+                assert all(run.poll() is None for run in runs.values()), [r.communicate()[0] for r in runs.values()]
+                assert time.monotonic() < deadline, f"the two jobs never got to {step!r} at the same time"
+                time.sleep(0.5)
+            for name in names:
+                (tmp_path / name / step).write_text("")
     finally:
         outputs = {name: run.communicate(timeout=300)[0] for name, run in runs.items()}
     for name, other in zip(names, reversed(names), strict=True):
