@@ -151,20 +151,17 @@ def json_body(size: int, item: bytes, head: bytes = b"[", tail: bytes = b"]", se
     return chunks(), length
 
 
-def many_keys(size: int):
-    """(chunks, length): one object of about ``size`` bytes of distinct small keys, ``{"k0":0,"k1":0,...}``."""
+def many_keys(size: int, around: bytes = b""):
+    """(chunks, length): one object of at most ``size`` bytes of distinct small keys, ``{"k0":0,"k1":0,...}``
+    (in a list with ``around=b"["``)."""
     def block(i: int) -> bytes:
         return b"".join(b'"k%d_%d":0,' % (i, j) for j in range(MiB // 16))
-    per = len(block(10**6))  # every block the same length: its numbers padded below
-    blocks = max(1, (size - 2) // per)
-
-    def chunks():
-        yield b"{"
-        for i in range(blocks):
-            made = block(10**6 + i)
-            yield made if i < blocks - 1 else made[:-1]
-        yield b"}"
-    return chunks(), 2 + blocks * per - 1
+    per = len(block(10**6))  # every block the same length
+    blocks = max(1, (size - 2 - 2 * len(around)) // per)
+    made = [block(10**6 + i) for i in range(blocks)]
+    made[-1] = made[-1][:-1]
+    chunks = [around + b"{", *made, b"}" + (b"]" if around else b"")]
+    return chunks, sum(map(len, chunks))
 
 
 def logs_of_another_run(size: int):
@@ -280,6 +277,12 @@ ATTACKS = {
     "small-keys-16MiB": lambda p: [post(p, f"/flow_runs/{RUN}", *many_keys(16 * MiB),
                                         method="PATCH")],
     "empty-objects-16MiB": lambda p: [post(p, "/logs/", *json_body(16 * MiB, b"{}"))],
+    "64x8MiB-nested": lambda p: together(64, lambda i: post(p, "/logs/", [b"[" * (4 * MiB), b"]" * (4 * MiB)],
+                                                           8 * MiB)),
+    "64x8MiB-small-keys": lambda p: together(64, lambda i: post(p, "/logs/", *many_keys(8 * MiB - 2, b"["))),
+    "64x8MiB-empty-objects": lambda p: together(64, lambda i: post(p, "/logs/", *json_body(8 * MiB, b"{}"))),
+    "64x8MiB-spaces": lambda p: together(64, lambda i: post(p, "/logs/", [b"[" + b" " * (8 * MiB - 2) + b"]"],
+                                                           8 * MiB)),
     "64x-logs-at-cap": lambda p: together(64, lambda i: post(p, "/logs/", *json_body(
         4_000_000, b'{"flow_run_id":"' + RUN.encode() + b'","level":20,"message":"m","name":"n"}'))),
     "slowloris-head": slow_head,

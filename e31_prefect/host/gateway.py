@@ -112,6 +112,11 @@ class _Server(ThreadingMixIn, UnixStreamServer):
         self.gateway._refuse(f"more than {MAX_CONNECTIONS} connections at once")
         return False
 
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """One line, counted with the refusals (a traceback each time would let a job fill the log)."""
+        error = sys.exc_info()[1]
+        self.gateway._log(f"gateway error: {type(error).__name__}: {error}")
+
     def shutdown_request(self, request: Any) -> None:
         with self.gateway.connections_lock:
             self.gateway.open_connections.discard(request)
@@ -151,7 +156,7 @@ class _Handler(BaseHTTPRequestHandler):
                 return
             method()
             self.wfile.flush()
-        except TimeoutError:
+        except OSError:  # the job closed its end, or its body did not come in time: no traceback to log
             self.close_connection = True
 
     def _read_head(self) -> tuple[bytes, bytes] | None:
@@ -208,14 +213,17 @@ class _Handler(BaseHTTPRequestHandler):
                                 f"{BUDGET_BYTES} bytes")
                 return self._answer(503, f"e31: the job's other calls hold all the gateway may hold "
                                          f"({BUDGET_BYTES} bytes); try again")
-            response = self._judge_and_call(route, rule.reads, size)
+            try:
+                response = self._judge_and_call(route, rule.reads, self._read_body(size))
+            except OSError:  # the job's connection broke: its traceback, and the body it holds, go before its room
+                self.close_connection = True
+                return
         if response is not None:
             self._pass_answer(route, response)
 
-    def _judge_and_call(self, route: str, reads: Any, size: int) -> http.client.HTTPResponse | None:
-        """Read the body, judge the call and send it upstream; its answer, unread (None: answered here)."""
+    def _judge_and_call(self, route: str, reads: Any, body: bytearray | None) -> http.client.HTTPResponse | None:
+        """Judge the call and send it upstream; its answer, unread (None: answered here)."""
         gateway = self.server.gateway
-        body = self._read_body(size)
         if body is None:
             self.close_connection = True
             self._answer(408, f"e31: a call's body comes whole within {BODY_SECONDS:.0f} s")
@@ -283,11 +291,14 @@ class _Handler(BaseHTTPRequestHandler):
                 with gateway.budget.hold(response.length + JUDGE_BYTES, BUDGET_WAIT_SECONDS) as held:
                     if held:
                         answer = response.read()
-                        with contextlib.suppress(BodyRefused):
-                            learn(self.command, route, read_json(answer, reads), gateway.owned)
-                        self._answer_head(response, len(answer))
-                        self.wfile.write(answer)
-                        return
+                        try:
+                            with contextlib.suppress(BodyRefused):
+                                learn(self.command, route, read_json(answer, reads), gateway.owned)
+                            self._answer_head(response, len(answer))
+                            self.wfile.write(answer)
+                            return
+                        finally:  # not kept past its room by a broken connection's traceback
+                            answer = None
             self._answer_head(response, response.length)
             while chunk := response.read(CHUNK_BYTES):
                 self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk) if response.length is None else chunk)
@@ -494,13 +505,17 @@ class Gateway:
         return None
 
     def _refuse(self, why: str) -> None:
-        """Count a refusal and keep the last ones; log it, unless the job has made thousands (each would be a
-        line in the supervisor's log, on the host's disk)."""
-        self.refusals += 1
+        """Keep the last refusals, and log each (see :meth:`_log`)."""
         self.refused.append(why[:LOGGED_CHARACTERS])
+        self._log(f"gateway refused: {why}")
+
+    def _log(self, line: str) -> None:
+        """A line in the supervisor's log (on the host's disk, outside the job's): the first thousand, then one
+        in a thousand, each cut short; a job makes as many refusals as it likes."""
+        self.refusals += 1
         if self.refusals <= LOGGED_REFUSALS or self.refusals % 1000 == 0:
-            count = f" (refusal {self.refusals})" if self.refusals > LOGGED_REFUSALS else ""
-            print(f"gateway refused{count}: {why[:LOGGED_CHARACTERS]}", file=sys.stderr, flush=True)
+            count = f" (line {self.refusals} of the gateway's)" if self.refusals > LOGGED_REFUSALS else ""
+            print(f"{line[:LOGGED_CHARACTERS]}{count}", file=sys.stderr, flush=True)
 
     def route(self, path: str) -> str | None:
         """The path under the API root the job asked for (None: not under it, or not plainly written).

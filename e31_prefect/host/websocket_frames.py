@@ -102,6 +102,7 @@ def read_payload(stream: BinaryIO, head: Head) -> bytes | bytearray | None:
         return None
     payload = _masked(payload, head.mask) if head.mask else payload
     if head.opcode == TEXT and not _utf8(payload):
+        del payload  # not kept by the error's traceback
         raise FrameError("a text frame that is not UTF-8")
     return payload
 
@@ -188,40 +189,61 @@ class Relay:
         return self.gateway.from_job(self.route, payload, self.sent - 1)
 
     def _pass(self, source: Any, to_server: bool) -> None:
-        try:
-            while (head := read_head(source)) is not None:
+        refused: tuple[int, str] | None = None
+        with contextlib.suppress(OSError):
+            while refused is None:
+                try:
+                    head = read_head(source)
+                except FrameError as error:  # refused on its header: its payload is never read
+                    refused = (error.code, str(error))
+                    break
+                if head is None:
+                    break
                 # The payload, unmasked, and masked again on its way: twice its size at most, and what is kept of it.
                 with self.gateway.budget.hold(2 * head.length + JUDGE_BYTES, BUDGET_WAIT_SECONDS) as held:
-                    if not held:
-                        raise FrameError("the job's other calls hold all the gateway may hold", TOO_BIG)
-                    payload = read_payload(source, head)
-                    if payload is None:
+                    try:  # within the budget's hold: an error's traceback, and the payload it keeps, go first
+                        if not held:
+                            raise FrameError("the job's other calls hold all the gateway may hold", TOO_BIG)
+                        if not self._pass_one(source, head, to_server):
+                            break
+                    except FrameError as error:
+                        refused = (error.code, str(error))
+                    except OSError:  # either side went
                         break
-                    if head.opcode == TEXT:
-                        text = self._judge(payload, to_server)
-                        if text is None:
-                            continue
-                        frame = Frame(TEXT, text.encode() if isinstance(text, str) else text)
-                    elif head.opcode == CLOSE:
-                        frame = Frame(CLOSE, payload) if valid_close(payload) else close_frame(NORMAL)
-                    else:
-                        frame = Frame(head.opcode, payload)
-                    self._send(frame, to_server)
-                    if head.opcode == CLOSE:
-                        break
-        except FrameError as refused:
-            why = f"a websocket frame {'from the job' if to_server else 'from the server'} on {self.route}: {refused}"
-            self.gateway._refuse(why)
-            self._send(close_frame(refused.code, f"e31: {refused}"), to_server=False)
-            self._send(close_frame(NORMAL), to_server=True)
-        except OSError:
-            pass
+        if refused is not None:
+            self.gateway._refuse(f"a websocket frame {'from the job' if to_server else 'from the server'} on "
+                                 f"{self.route}: {refused[1]}")
+            with contextlib.suppress(OSError):
+                self._send(close_frame(refused[0], f"e31: {refused[1]}"), to_server=False)
+            with contextlib.suppress(OSError):
+                self._send(close_frame(NORMAL), to_server=True)
         with contextlib.suppress(OSError):
             self.sides[to_server][0].shutdown(socket.SHUT_WR)
 
+    def _pass_one(self, source: Any, head: Head, to_server: bool) -> bool:
+        """Pass the frame ``head`` began, judged (False: the stream ended, or closed)."""
+        payload = frame = None
+        try:
+            payload = read_payload(source, head)
+            if payload is None:
+                return False
+            if head.opcode == TEXT:
+                text = self._judge(payload, to_server)
+                if text is None:
+                    return True
+                frame = Frame(TEXT, text.encode() if isinstance(text, str) else text)
+            elif head.opcode == CLOSE:
+                frame = Frame(CLOSE, payload) if valid_close(payload) else close_frame(NORMAL)
+            else:
+                frame = Frame(head.opcode, payload)
+            self._send(frame, to_server)
+            return head.opcode != CLOSE
+        finally:  # a traceback keeps this frame: not what it held
+            payload = frame = text = None
+
     def _send(self, frame: Frame, to_server: bool) -> None:
         sink, lock = self.sides[to_server]
-        with lock, contextlib.suppress(OSError):
+        with lock:
             send(sink, frame, masked=to_server)
 
 
