@@ -72,6 +72,7 @@ MAX_HEAD_BYTES = 32 * 1024  # a call's request line and headers: Prefect's clien
 BUDGET_BYTES = 20 * MiB
 BODY_SECONDS = 60.0  # a body comes whole within this (from the job's own loopback relay, at memory speed)
 ANSWER_BYTES = 8 * MiB  # an answer learned from: a created subflow, task run or artifact, as the server has it
+CLOSING_SECONDS = 10.0  # a websocket's closing handshake, once the job has closed its side
 CHUNK_BYTES = 64 * 1024  # an answer the gateway learns nothing from passes a piece at a time
 LOGGED_REFUSALS = 1000  # refusals each written to the supervisor's log; after these, one in a thousand
 LOGGED_CHARACTERS = 500  # of each refusal's line (a refused path is the job's to make long)
@@ -364,6 +365,7 @@ class _Handler(BaseHTTPRequestHandler):
         sender = threading.Thread(target=relay.to_job, args=(from_upstream,), daemon=True)
         sender.start()
         relay.from_job(self.rfile)
+        sender.join(CLOSING_SECONDS)  # the server's answer to the job's close (or its own end) reaches the job
         with contextlib.suppress(OSError):
             upstream.shutdown(socket.SHUT_RDWR)
         sender.join()

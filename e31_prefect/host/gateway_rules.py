@@ -232,9 +232,13 @@ def _own_artifact_update(owned: Owned, ids: tuple[str, ...], body: Any) -> bool 
 # How big a call's body may be: what Prefect's engine sends there, with room to spare. A bigger one is refused
 # (413) before the gateway reads any of it; the gateway holds each body whole while it judges it.
 NO_BODY = 0  # the engine's reads send none
-CALL_BYTES = 1 * MiB  # a state (its message may carry an exception's text), a name, a filter, a task run: a few kB
-RUN_BYTES = 4 * MiB  # a subflow's run with its parameters, a paused run's input: the flow's arguments, unbounded by
-# Prefect, and kept small by any flow that runs well (a big argument is a result or a file, not a parameter)
+CALL_BYTES = 1 * MiB  # a run's name and retries, its labels, a filter, a lease: a few kB
+# A subflow's run or a paused run's input: the server takes parameters of up to 512 KiB, written compactly
+# (PREFECT_SERVER_API_MAX_PARAMETER_SIZE). A task run, with one reference per upstream future it waits on.
+RUN_BYTES = 4 * MiB
+# A state: its message carries an exception's text, and the server's refusal of a call quotes the call (1.4 MB
+# for the Failed state of a flow whose subflow had 589 kB of parameters).
+STATE_BYTES = 4 * MiB
 LOGS_BYTES = 8 * MiB  # a batch of logs: the engine sends at most 4,000,000 bytes (PREFECT_LOGGING_TO_API_BATCH_SIZE)
 ARTIFACT_BYTES = 8 * MiB  # an artifact's data (a report, a table): unbounded by Prefect; a bigger one is an output
 
@@ -267,7 +271,7 @@ ROUTES: list[Route] = [
         ("GET", rf"/flow_runs/{_ID}", _own("flow_runs"), NO_BODY, None),
         ("PATCH", rf"/flow_runs/{_ID}", _own_run_update, CALL_BYTES, {EVERY_KEY: None, "empirical_policy": WHOLE}),
         ("PATCH", rf"/flow_runs/{_ID}/labels", _own_run_labels, CALL_BYTES, {EVERY_KEY: None}),
-        ("POST", rf"/flow_runs/{_ID}/set_state", _own_run_state, CALL_BYTES, _RUN_STATE_READS),
+        ("POST", rf"/flow_runs/{_ID}/set_state", _own_run_state, STATE_BYTES, _RUN_STATE_READS),
         ("GET", rf"/flow_runs/{_ID}/input(?:/[^/]+)?", _own("flow_runs"), NO_BODY, None),
         ("POST", rf"/flow_runs/{_ID}/input(?:/[^/]+)?", _own("flow_runs"), RUN_BYTES, None),
         ("POST", r"/flow_runs/?", _subflow_of_own_task, RUN_BYTES, _SUBFLOW_READS),
@@ -277,9 +281,9 @@ ROUTES: list[Route] = [
         ("GET", r"/work_pools/([^/]+)", _own("work_pools"), NO_BODY, None),
         ("GET", rf"/flows/{_ID}", _always, NO_BODY, None),  # a flow is a name; its runs are what is guarded
         ("POST", r"/flows/?", _always, CALL_BYTES, None),
-        ("POST", r"/task_runs/?", _task_of_own_flow, CALL_BYTES, _TASK_RUN_READS),
+        ("POST", r"/task_runs/?", _task_of_own_flow, RUN_BYTES, _TASK_RUN_READS),
         ("GET", rf"/task_runs/{_ID}", _own("task_runs"), NO_BODY, None),
-        ("POST", rf"/task_runs/{_ID}/set_state", _own_task_state, CALL_BYTES,
+        ("POST", rf"/task_runs/{_ID}/set_state", _own_task_state, STATE_BYTES,
          {"state": {"state_details": {"deferred": WHOLE}}}),
         ("POST", r"/logs/?", _own_entries, LOGS_BYTES, [_ENTRY_READS]),
         ("POST", r"/artifacts/?", _own_artifact, ARTIFACT_BYTES, {**_ENTRY_READS, "key": WHOLE}),

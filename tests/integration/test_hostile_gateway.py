@@ -24,11 +24,17 @@ import pytest
 from prefect import get_client
 from prefect.client.schemas.actions import ArtifactCreate
 from prefect.client.schemas.filters import (
+    ArtifactFilter,
+    ArtifactFilterFlowRunId,
+    ArtifactFilterKey,
     FlowRunFilter,
     FlowRunFilterName,
     FlowRunFilterParentFlowRunId,
     FlowRunFilterTags,
+    LogFilter,
+    LogFilterFlowRunId,
 )
+from prefect.client.schemas.sorting import LogSort
 from prefect.events.filters import EventAnyResourceFilter, EventFilter, EventNameFilter
 from prefect.states import Scheduled
 
@@ -509,6 +515,15 @@ def events_in(protocol=True):
     return client, reader, int(answered.split()[1])
 
 
+def authenticated():
+    """An events websocket past Prefect's auth handshake, as Prefect's client has it."""
+    client, reader, answered = events_in()
+    client.sendall(frame(0x1, AUTH))
+    head = reader.read(2)
+    assert b"auth_success" in reader.read(head[1] & 0x7F), "no auth_success"
+    return client, reader
+
+
 def ended(client, reader):
     """The close code the job got (0: none), once the connection is gone."""
     client.settimeout(60)
@@ -550,8 +565,7 @@ BAD = {
 }
 codes = {}
 for name, bad in BAD.items():
-    client, reader, answered = events_in()
-    client.sendall(frame(0x1, AUTH))
+    client, reader = authenticated()
     try:
         client.sendall(bad)
         client.sendall(frame(0x8, b"\x03\xe8"))
@@ -563,8 +577,8 @@ if answered == 101:
     client.sendall(frame(0x1, AUTH))
     ended(client, reader)
 codes["no prefect subprotocol"] = answered
-client, reader, answered = events_in()  # its own event, well formed: it arrives
-client.sendall(frame(0x1, AUTH) + frame(0x1, event(event="hostile.frames-done")) + frame(0x8, b"\x03\xe8"))
+client, reader = authenticated()  # its own event, well formed: it arrives
+client.sendall(frame(0x1, event(event="hostile.frames-done")) + frame(0x8, b"\x03\xe8"))
 codes["own event"] = ended(client, reader)
 Path("codes.json").write_text(json.dumps(codes))
 '''
@@ -588,3 +602,62 @@ def test_a_jobs_bad_websocket_frames_never_reach_the_server_nor_its_log(prefect_
                 if code != {"no prefect subprotocol": 403, "own event": 1000}.get(name, 1000 if name.startswith(
                     ("an event", "a second", "a list", "close")) else 1003)}
     assert unjudged == {} and new_tracebacks == 0, (unjudged, f"{new_tracebacks} tracebacks in the server's log")
+
+
+BIGGEST = """
+import os
+from prefect import flow, get_run_logger, task
+from prefect.artifacts import create_markdown_artifact
+from prefect.events import emit_event
+
+@task
+def square(x: int) -> int:
+    return x * x
+
+@flow
+def child(values: list) -> int:
+    return len(values)
+
+@flow
+def biggest() -> int:
+    logger = get_run_logger()
+    for i in range(12_000):  # 12 MB of log lines at once: batches of 4,000,000 bytes, the engine's biggest
+        logger.info("line %05d %s", i, "x" * 1000)
+    logger.info("long %s", "y" * 990_000)  # a line of the engine's biggest, 1,000,000 bytes with its fields
+    create_markdown_artifact("#" + "z" * (6 * 2**20), key="big-report")
+    run = os.environ["PREFECT__FLOW_RUN_ID"]
+    emit_event("biggest.payload", resource={"prefect.resource.id": f"prefect.flow-run.{run}"},
+               payload={"blob": "p" * 1_400_000})  # the client sends none over 1,500,000 bytes
+    squares = square.map(range(200)).result()
+    return child(list(range(70_000))) + sum(squares)  # a subflow with 400 kB of parameters (the server: 512 KiB)
+"""
+
+
+def test_what_prefects_engine_sends_at_its_biggest_still_passes(prefect_server, tmp_path, pool):
+    """The caps on bodies and messages leave room for the engine's biggest: log batches of 4,000,000 bytes and
+    a log line of 1,000,000, an artifact of 6 MiB, an event of 1.4 MB, a subflow's 400 kB of parameters."""
+    job = write_job(tmp_path / "biggest", """
+        name: biggest
+        work: {flow: flow.py:biggest}
+        request: {gpus: 0, max_duration: 5m}
+        output: {to: ./out/}
+        """, flow=BIGGEST)
+    result = cli("e31", "run", str(job), "--pool", pool, timeout=400)
+    assert result.returncode == 0, result.stdout + result.stderr
+    run_id = flow_run_id(result.stdout)
+    run = read_run(run_id)
+    assert run.state.is_completed(), run.state
+    with get_client(sync_client=True) as client:
+        lines: list[str] = []
+        while page := client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id])),
+                                       sort=LogSort.TIMESTAMP_ASC, limit=200, offset=len(lines)):
+            lines += [log.message[:10] for log in page]
+        report = client.read_artifacts(artifact_filter=ArtifactFilter(
+            key=ArtifactFilterKey(any_=["big-report"]), flow_run_id=ArtifactFilterFlowRunId(any_=[run_id])))
+        children = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+            parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[run_id])))
+    assert sum(line.startswith("line ") for line in lines) == 12_000 and "long yyyyy" in lines
+    assert [len(artifact.data) for artifact in report] == [6 * 2**20 + 1]
+    assert [child.state.is_completed() for child in children] == [True]
+    event = until(lambda: events_about(run_id, ["biggest.payload"]), "the job's biggest event arriving", 60)
+    assert len(event[0].payload["blob"]) == 1_400_000
