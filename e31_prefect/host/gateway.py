@@ -517,7 +517,8 @@ class Gateway:
         self.refusals += 1
         if self.refusals <= LOGGED_REFUSALS or self.refusals % 1000 == 0:
             count = f" (line {self.refusals} of the gateway's)" if self.refusals > LOGGED_REFUSALS else ""
-            print(f"{line[:LOGGED_CHARACTERS]}{count}", file=sys.stderr, flush=True)
+            sys.stderr.write(f"{line[:LOGGED_CHARACTERS]}{count}\n")  # one write: threads' lines stay whole
+            sys.stderr.flush()
 
     def route(self, path: str) -> str | None:
         """The path under the API root the job asked for (None: not under it, or not plainly written).
