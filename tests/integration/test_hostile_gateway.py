@@ -427,7 +427,8 @@ def supervise(folder: Path, run_id: UUID, script: str, *args: str) -> subprocess
     make_hand_over_pipe(run)
     listening = make_api_socket(run)
     run.write_spec(Spec(
-        run_id=str(run_id), runtime="process", stop_at=None, grace_seconds=1.0, cwd=str(folder),
+        # No cgroup: what is measured is the supervisor, and runs of other test sessions on the host share e31's.
+        run_id=str(run_id), runtime="process", stop_at=None, grace_seconds=1.0, cwd=str(folder), cgroups=False,
         argv=[sys.executable, "-c", GATE + script, *args],
         env={"PATH": os.environ["PATH"], "E31_WORK_ENDED": str(run.work_ended_pipe),
              "E31_HAND_OVER": str(run.hand_over_pipe), "API_SOCKET": str(run.api_socket), "RUN_ID": str(run_id)},
