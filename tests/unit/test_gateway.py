@@ -597,8 +597,12 @@ def routes_and_bodies():
     yield "POST", "/artifacts/", {"flow_run_id": RUN, "key": "e31-meter-x", "data": "x" * 9000}, known()
 
 
-@pytest.mark.parametrize(("method", "route", "body", "mine"),
-                         [case for case in routes_and_bodies() if route_for(case[0], case[1])])
+JUDGED = [case for case in routes_and_bodies() if route_for(case[0], case[1])]
+
+
+# Ids without the cases' random run ids: every test process must collect the same names.
+@pytest.mark.parametrize(("method", "route", "body", "mine"), JUDGED,
+                         ids=[f"{number}-{case[0]}" for number, case in enumerate(JUDGED)])
 def test_a_body_read_only_as_far_as_its_judge_looks_is_judged_as_the_whole_body(method, route, body, mine):
     """The gateway builds only what each route's judge reads of a body (gateway_rules.Route.reads); the rest
     is passed over. Judged so, every call gets the verdict the whole body gets."""
