@@ -92,7 +92,7 @@ def setting_problems(settings: dict[str, Any], allowed_volumes: Sequence[Path]) 
     problems = []
     refused = {
         "command": (None, "e31 runs Prefect's engine itself; give the job's work as work.flow or work.command"),
-        "image": (None, "a job's image is its work.image"),
+        "image": (None, "a job's image is its work.image (on a pool made by e31 pool migrate, image is it)"),
         "mem_limit": (None, "use request.memory (a limit with no swap)"),
         "memswap_limit": (None, "use request.memory (a limit with no swap)"),
         "privileged": (False, "job containers never run privileged"),

@@ -21,7 +21,7 @@ from e31_prefect.flows.flow_shards import FLOW_SHARDS_ENTRYPOINT
 from e31_prefect.host import output_bounds
 from e31_prefect.model.job import Job
 from e31_prefect.model.job_file import anchor, code_root
-from e31_prefect.model.job_values import JOB_VARIABLE_KEYS, Problem, job_name
+from e31_prefect.model.job_values import JOB_VARIABLE_KEYS, MISSING, JobError, Problem, job_name
 from e31_prefect.runtimes import SET_FOR_THE_RUN
 from e31_prefect.runtimes import container as containers
 
@@ -29,6 +29,14 @@ if TYPE_CHECKING:
     from prefect.client.schemas.objects import Flow as APIFlow
     from prefect.client.schemas.objects import WorkPool
     from prefect.client.schemas.responses import DeploymentResponse
+
+
+REQUEST_MISSING = Problem("request", MISSING, (
+    "is required: a run says what it rents and for how long. Give it as a job variable of the deployment "
+    "(prefect.yaml: job_variables: {request: {gpus: 1, max_duration: 2h}}) or of the run "
+    "(prefect deployment run NAME --job-variable 'request={\"gpus\": 1, \"max_duration\": \"2h\"}'), or give "
+    "the pool a default request for every run that sets none (e31 pool migrate, or "
+    "variables.properties.request.default in its base job template)"))
 
 
 def _job_fields(raw: bool) -> dict[str, Any]:
@@ -167,7 +175,12 @@ class _Configuration(DockerWorkerJobConfiguration):
 
         Relative local paths (as a hand-written deployment may give) are read from the deployment's folder.
         """
-        job = Job.from_job_variables({k: getattr(self, k) for k in JOB_VARIABLE_KEYS}, name=name or self._job_name)
+        try:
+            job = Job.from_job_variables({k: getattr(self, k) for k in JOB_VARIABLE_KEYS},
+                                         name=name or self._job_name)
+        except JobError as exc:  # a run's request comes from its job variables or its pool: say so
+            raise JobError([REQUEST_MISSING if (p.field, p.value) == ("request", MISSING) else p
+                            for p in exc.problems], exc.source) from None
         return anchor(job, self._code_folder) if self._code_folder else job
 
     def setting_problems(self, allowed_volumes: list[Path]) -> list[Problem]:
@@ -194,6 +207,21 @@ class _Configuration(DockerWorkerJobConfiguration):
 
 E31JobConfiguration = create_model("E31JobConfiguration", __base__=_Configuration, __module__=__name__,
                                    **_job_fields(raw=True))
+
+
+IMAGE_VARIABLE = "{{ image }}"  # a pool whose image variable is the job's image (e31 pool migrate's template)
+
+
+def as_the_pool_reads(base_job_template: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
+    """Job variables as the pool's template reads them: where its ``image`` variable is the job's image (a pool
+    that replaces a DockerWorker pool), a ``work.image`` moves there. For an ``@e31`` flow's job, which no
+    server checks against the pool's form: the template would drop it without a word."""
+    work = values.get("work")
+    mapped = (base_job_template.get("job_configuration") or {}).get("work")
+    if not (isinstance(mapped, dict) and mapped.get("image") == IMAGE_VARIABLE and isinstance(work, dict)
+            and work.get("image")):
+        return values
+    return {**values, "image": work["image"], "work": {k: v for k, v in work.items() if k != "image"}}
 
 
 SET_WORKING_DIRECTORY = "prefect.deployments.steps.set_working_directory"  # a local deployment's pull step
