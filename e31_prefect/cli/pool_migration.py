@@ -82,8 +82,7 @@ def carried_defaults(docker_template: dict[str, Any], allowed_volumes: list[Path
         if name not in E31Variables.model_fields:
             dropped.append(Problem(name, value, NOT_IN_THE_FORM))
             continue
-        # The image is the job's on the e31 pool (its work.image), not a container setting it refuses.
-        refused = [] if name == "image" else containers.setting_problems({name: value}, allowed_volumes)
+        refused = containers.setting_problems({name: value}, allowed_volumes)
         if refused:
             dropped += [Problem(p.field, p.value, "not carried: " + p.fix) for p in refused]
             continue

@@ -177,9 +177,8 @@ class LifeConfiguration(Protocol):
     def setting_problems(self, allowed_volumes: list[Path]) -> list[Problem]: ...
 
 
-# Refused whatever the runtime: the command and the environment, which a process job would replace too, and
-# an image, which says the run meant a container that a job without work.image would not get.
-REFUSED_IN_EITHER_RUNTIME = ("command", "image")
+# Refused whatever the runtime: the command and the environment, which a process job would replace too.
+REFUSED_IN_EITHER_RUNTIME = ("command",)
 
 
 class RunRefused(ValueError):
@@ -203,8 +202,9 @@ def admitted(configuration: LifeConfiguration, allowed_volumes: list[Path]) -> t
     try:
         job = configuration.job()
     except ValueError as exc:  # a JobError names each bad field
-        work = getattr(configuration, "work", None)  # the raw value: is it a container job, as given?
-        raise RunRefused(str(exc), _refused(settings, isinstance(work, dict) and bool(work.get("image")))) from None
+        work = getattr(configuration, "work", None)  # the raw values: is it a container job, as given?
+        image = getattr(configuration, "image", None) or (isinstance(work, dict) and work.get("image"))
+        raise RunRefused(str(exc), _refused(settings, bool(image))) from None
     refused = _refused(settings, bool(job.work.image))
     if refused:
         raise RunRefused(None, refused)
@@ -212,8 +212,8 @@ def admitted(configuration: LifeConfiguration, allowed_volumes: list[Path]) -> t
 
 
 def _refused(problems: list[Problem], container: bool) -> list[Problem]:
-    """The settings problems a run's runtime refuses: all of a container's, or of a run that asks for one
-    (an image); of a local process, those it would replace (the rest it leaves unused)."""
-    if container or any(problem.field == "image" for problem in problems):
+    """The settings problems a run's runtime refuses: all of a container's; of a local process, those it would
+    replace (the rest it leaves unused)."""
+    if container:
         return problems
     return [p for p in problems if p.field in REFUSED_IN_EITHER_RUNTIME or p.field.startswith("env.")]

@@ -5,13 +5,16 @@ unchanged, as container jobs (pure).
     e31 pool template --gpus 1 --max-duration 2h > gpu.json         # or only the template, for
     prefect work-pool create gpu --type e31 --base-job-template gpu.json
 
-A prefect-docker deployment gives an ``image`` and no e31 field. This template, Prefect's own templating
-and nothing else, makes it an e31 job: the pool's form holds a default ``request`` (the GPUs and time
-limit every run that gives none rents), and its job configuration maps the ``image`` variable onto the
-job's ``work.image``. Prefect's placeholders replace whole values and cannot merge two, so ``work`` is
-templated field by field, ``image`` standing for ``work.image``; the form's ``work`` then has no image of
-its own, and the server refuses a ``work.image`` given on this pool by name, instead of one of the two
-being dropped without a word.
+A prefect-docker deployment gives an ``image`` and no e31 field. On every e31 pool a run's ``image`` is its
+job's image where its ``work`` names none (:meth:`E31JobConfiguration.job`); this template adds what only
+the pool's operator can choose, as the defaults of the pool's form, which Prefect's templating applies to
+every run that does not give its own: the ``request`` (the GPUs and time limit such a run rents) and the
+``image`` of a deployment that names none (Prefect's, as DockerWorker's), with the defaults that the
+DockerWorker pool's operator set.
+
+Why defaults and not a mapping in ``job_configuration``: Prefect's placeholders fill whole values from
+top-level variables only (a server refuses ``{{ work.flow }}``), so ``{{ image }}`` could become
+``work.image`` only by giving up the ``work`` variable, and with it every e31 job on the pool.
 """
 
 from __future__ import annotations
@@ -22,17 +25,13 @@ from typing import Any
 from prefect.utilities.dockerutils import get_prefect_image_name
 
 from e31_prefect.model.job import Request, parse_job
-from e31_prefect.model.job_values import Problem
-from e31_prefect.model.job_work import Work
-from e31_prefect.runtimes import container as containers
 from e31_prefect.surface.worker import E31Worker
-from e31_prefect.surface.worker_configuration import IMAGE_VARIABLE
 
-IMAGE_MEANING = ("The job's container image (what work.image is on other e31 pools). A run with none runs in "
-                 "the pool's default, as DockerWorker runs one in Prefect's image; set it to null to run the "
-                 "job as a local process.")
-WORK_MEANING = ("What runs. On this pool a job's image is the image variable (as in prefect-docker), "
-                "not work.image.")
+IMAGE_MEANING = ("The job's container image, as in prefect-docker (the same as work.image, which is the image "
+                 "where both are given). A run with neither runs in this default, as DockerWorker runs one in "
+                 "Prefect's image; null runs it as a local process.")
+REQUEST_MEANING = ("GPUs, time limit, start and deadline. This pool's default is what a run that gives no "
+                   "request of its own rents (a run that gives one gives all of it: a request is not merged).")
 
 
 def stock_template() -> dict[str, Any]:
@@ -56,23 +55,11 @@ def docker_pool_template(request: dict[str, Any], image: str | None = None,
     """
     template = stock_template()
     properties = template["variables"]["properties"]
-    properties["request"]["default"] = checked_request(request)
-    properties["image"] = {**properties["image"], "description": IMAGE_MEANING, "default": image or default_image()}
+    properties["request"].update(default=checked_request(request), description=REQUEST_MEANING)
+    properties["image"].update(default=image or default_image(), description=IMAGE_MEANING)
     for name, value in (defaults or {}).items():
         properties[name]["default"] = copy.deepcopy(value)
-    work = template["variables"]["definitions"]["Work"]
-    work["properties"].pop("image")
-    work["additionalProperties"] = False  # a work.image given here is refused by the server, by name
-    properties["work"]["description"] = WORK_MEANING
-    configuration = template["job_configuration"]
-    del configuration["image"]  # the image is the job's, not a container setting e31 refuses
-    configuration["work"] = work_mapping()
     return template
-
-
-def work_mapping() -> dict[str, str]:
-    """The job configuration's ``work`` on such a pool: each field of the ``work`` variable, and ``image``."""
-    return {name: IMAGE_VARIABLE if name == "image" else f"{{{{ work.{name} }}}}" for name in Work.model_fields}
 
 
 def checked_request(request: dict[str, Any]) -> dict[str, Any]:
@@ -82,7 +69,3 @@ def checked_request(request: dict[str, Any]) -> dict[str, Any]:
     written = checked.model_dump(mode="json", exclude_none=True)
     return {key: written[key] for key in Request.model_fields if key in request and key in written}
 
-
-def refused_defaults(defaults: dict[str, Any], allowed_volumes: list[Any]) -> list[Problem]:
-    """The pool defaults (a DockerWorker pool's) that an e31 pool would refuse in every run, each with why."""
-    return containers.setting_problems(defaults, allowed_volumes)

@@ -51,7 +51,7 @@ from e31_prefect.surface.life import JobLife
 from e31_prefect.surface.life_terms import infrastructure_id, parse_infrastructure_id
 from e31_prefect.surface.run_states import RunStates, read_states
 from e31_prefect.surface.worker_backlog import BacklogReading
-from e31_prefect.surface.worker_configuration import E31JobConfiguration, E31Variables, as_the_pool_reads
+from e31_prefect.surface.worker_configuration import E31JobConfiguration, E31Variables
 
 if TYPE_CHECKING:
     from prefect.client.schemas.responses import WorkerFlowRunResponse
@@ -396,9 +396,8 @@ class E31Worker(BacklogReading, DockerWorker):
             flow_run = await self.client.read_flow_run(flow_run.id)
         if task_status is not None:
             task_status.started(flow_run)
-        template = self.work_pool.base_job_template
         configuration = await self.job_configuration.from_template_and_values(
-            template, as_the_pool_reads(template, job_variables or {}), client=self.client)
+            self.work_pool.base_job_template, job_variables or {}, client=self.client)
         configuration.prepare_for_flow_run(
             flow_run=flow_run, flow=SimpleNamespace(id=flow_run.flow_id, name=flow.name, labels={}),
             work_pool=self.work_pool, worker_name=self.name, worker_id=self.backend_id)

@@ -110,7 +110,8 @@ class _Configuration(DockerWorkerJobConfiguration):
     """One flow run's job as the worker receives it: raw job variables, validated in :meth:`job`."""
 
     gpu_device_requests: containers.GpuRequests = Field(default="auto")
-    image: str | None = Field(default=None)  # a job's image is its work.image; no default is computed
+    # prefect-docker's image variable: the job's image where its work gives none. No default is computed.
+    image: str | None = Field(default=None)
     # The pool's bounds on outputs, raw: a bad value fails its run naming it (output_bounds.bounds_for).
     default_disk: Any = Field(default=None)
     max_output_files: Any = Field(default=None)
@@ -171,13 +172,17 @@ class _Configuration(DockerWorkerJobConfiguration):
         return self._shards_start
 
     def job(self, name: str | None = None) -> Job:
-        """The validated job; raises :class:`JobError` naming each bad field.
+        """The validated job; raises :class:`JobError` naming each bad field. Its image is its ``work.image``,
+        else the run's ``image`` (prefect-docker's variable, so that a prefect-docker deployment runs as it is).
 
         Relative local paths (as a hand-written deployment may give) are read from the deployment's folder.
         """
+        values = {k: getattr(self, k) for k in JOB_VARIABLE_KEYS}
+        work = values["work"]
+        if self.image and (work is None or isinstance(work, dict) and not work.get("image")):
+            values["work"] = {**(work or {}), "image": self.image}  # a prefect-docker deployment's image
         try:
-            job = Job.from_job_variables({k: getattr(self, k) for k in JOB_VARIABLE_KEYS},
-                                         name=name or self._job_name)
+            job = Job.from_job_variables(values, name=name or self._job_name)
         except JobError as exc:  # a run's request comes from its job variables or its pool: say so
             raise JobError([REQUEST_MISSING if (p.field, p.value) == ("request", MISSING) else p
                             for p in exc.problems], exc.source) from None
@@ -207,21 +212,6 @@ class _Configuration(DockerWorkerJobConfiguration):
 
 E31JobConfiguration = create_model("E31JobConfiguration", __base__=_Configuration, __module__=__name__,
                                    **_job_fields(raw=True))
-
-
-IMAGE_VARIABLE = "{{ image }}"  # a pool whose image variable is the job's image (e31 pool migrate's template)
-
-
-def as_the_pool_reads(base_job_template: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
-    """Job variables as the pool's template reads them: where its ``image`` variable is the job's image (a pool
-    that replaces a DockerWorker pool), a ``work.image`` moves there. For an ``@e31`` flow's job, which no
-    server checks against the pool's form: the template would drop it without a word."""
-    work = values.get("work")
-    mapped = (base_job_template.get("job_configuration") or {}).get("work")
-    if not (isinstance(mapped, dict) and mapped.get("image") == IMAGE_VARIABLE and isinstance(work, dict)
-            and work.get("image")):
-        return values
-    return {**values, "image": work["image"], "work": {k: v for k, v in work.items() if k != "image"}}
 
 
 SET_WORKING_DIRECTORY = "prefect.deployments.steps.set_working_directory"  # a local deployment's pull step

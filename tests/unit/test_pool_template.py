@@ -13,14 +13,13 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from prefect.utilities.schema_tools import ValidationError, validate
+from prefect.utilities.schema_tools import validate
 
 from e31_prefect.cli.pool_migration import carried_defaults
 from e31_prefect.model.job_values import JobError
-from e31_prefect.model.job_work import Work
 from e31_prefect.surface.life_terms import RunRefused, admitted
 from e31_prefect.surface.pool_templates import docker_pool_template, stock_template
-from e31_prefect.surface.worker_configuration import E31JobConfiguration, as_the_pool_reads
+from e31_prefect.surface.worker_configuration import E31JobConfiguration
 
 # What `prefect deploy` stores for a prefect-docker deployment: an image, its env and labels, no e31 field.
 DOCKER_DEPLOYMENT = {"image": "acme/trainer:2026.12", "env": {"SEED": "7"}, "labels": {"team": "vision"}}
@@ -64,35 +63,24 @@ def test_a_deployment_that_names_no_image_runs_in_prefects_as_dockerworker_runs_
 
 def test_a_deployments_own_request_and_e31_fields_still_apply_on_such_a_pool():
     template = docker_pool_template({"gpus": 1, "max_duration": "2h"})
-    variables = {"image": "acme/sim:3", "request": {"gpus": 4, "max_duration": "9h", "gpu_type": "H100"},
-                 "work": {"command": ["python", "sim.py"], "env": {"N": "10000"}, "shards": 8}, "team": "physics"}
+    variables = {"request": {"gpus": 4, "max_duration": "9h", "gpu_type": "H100"}, "team": "physics",
+                 "work": {"command": ["python", "sim.py"], "env": {"N": "10000"}, "shards": 8, "image": "acme/sim:3"}}
     server_check(template, variables)
     job, _ = admitted(configuration(template, variables), [])
     assert (job.request.gpus, job.request.gpu_type, job.team) == (4, "H100", "physics")
+    # A job's work.image is its image, over the pool's default image.
     assert (job.work.image, job.work.command, job.work.env, job.work.shards) == (
         "acme/sim:3", ["python", "sim.py"], {"N": "10000"}, 8)
 
 
-def test_every_work_field_passes_through_so_a_field_e31_adds_is_not_dropped_on_the_pool():
-    work = docker_pool_template({"gpus": 1, "max_duration": "2h"})["job_configuration"]["work"]
-    assert set(work) == set(Work.model_fields)
-    assert work["image"] == "{{ image }}"
+def test_the_template_is_one_a_prefect_server_takes():
+    """Prefect refuses a template whose placeholders name anything but its form's variables."""
+    from prefect.server.schemas.actions import WorkPoolCreate
 
-
-def test_a_work_image_given_on_such_a_pool_is_refused_by_the_server_by_name_not_dropped():
-    template = docker_pool_template({"gpus": 1, "max_duration": "2h"})
-    with pytest.raises(ValidationError, match="'image' was unexpected"):
-        server_check(template, {"work": {"image": "acme/trainer:1"}})
-
-
-def test_an_e31_flow_bound_to_such_a_pool_keeps_its_image():
-    """An @e31 flow's job variables reach no server check: its work.image becomes the pool's image variable."""
-    template = docker_pool_template({"gpus": 1, "max_duration": "2h"})
-    variables = {"work": {"flow": "/code/f.py:f", "image": "acme/trainer:1"}, "request": {"max_duration": "1h"}}
-    read = as_the_pool_reads(template, variables)
-    assert read["image"] == "acme/trainer:1" and "image" not in read["work"]
-    assert admitted(configuration(template, read), [])[0].work.image == "acme/trainer:1"
-    assert as_the_pool_reads(stock_template(), variables) == variables  # a stock pool reads work.image itself
+    template = docker_pool_template({"gpus": 1, "max_duration": "2h"}, defaults={"image_pull_policy": "Always"})
+    created = WorkPoolCreate(name="gpu", type="e31", base_job_template=template)
+    assert created.base_job_template["variables"]["properties"]["request"]["default"] == {
+        "gpus": 1, "max_duration": "2h"}
 
 
 def test_a_bad_default_request_is_named_before_any_pool_is_made():
@@ -124,6 +112,7 @@ def test_the_docker_pools_own_defaults_are_carried_and_each_one_e31_refuses_is_n
 
 
 def test_a_run_with_no_request_is_told_both_fixes_and_every_other_refused_setting_at_once():
+    # As a prefect-docker deployment moved to a stock e31 pool: its image makes it a container job.
     run = configuration(stock_template(), {**DOCKER_DEPLOYMENT, "mem_limit": "8g", "privileged": True})
     with pytest.raises(RunRefused) as refused:
         admitted(run, [])
@@ -135,22 +124,18 @@ def test_a_run_with_no_request_is_told_both_fixes_and_every_other_refused_settin
     assert "--job-variable 'request={\"gpus\": 1, \"max_duration\": \"2h\"}'" in job_part
     assert "e31 pool migrate" in job_part and "variables.properties.request.default" in job_part
     # Every setting an e31 pool refuses, in the same message: no second round trip.
-    assert [line.split(" = ")[0] for line in settings_part.splitlines()] == ["image", "mem_limit", "privileged"]
-    assert "a job's image is its work.image" in settings_part
+    assert [line.split(" = ")[0] for line in settings_part.splitlines()] == ["mem_limit", "privileged"]
 
 
-def test_an_image_without_work_image_is_refused_not_run_as_a_local_process():
-    """A top-level image on a stock e31 pool asks for a container: the run is refused with every container
-    setting it would refuse, never run as a local process that leaves them unused."""
+def test_a_prefect_docker_image_on_a_stock_pool_is_the_jobs_image_not_a_refused_setting():
+    """prefect-docker's image variable means a container on any e31 pool: never a refusal, never a process."""
     run = configuration(stock_template(), {"image": "acme/trainer:1", "request": {"max_duration": "1h"},
-                                           "work": {"command": ["true"]}, "volumes": ["/data:/data"]})
-    with pytest.raises(RunRefused) as refused:
-        admitted(run, [])
-    lines = str(refused.value).splitlines()
-    assert lines[:2] == ["The run's worker settings are not valid:",
-                         "image = 'acme/trainer:1': is not an e31 setting: a job's image is its work.image "
-                         "(on a pool made by e31 pool migrate, image is it)"]
-    assert lines[2].startswith("volumes = '/data:/data': mounts a host path") and len(lines) == 3
+                                           "work": {"command": ["true"]}})
+    job, unused = admitted(run, [])
+    assert job.work.image == "acme/trainer:1" and unused == []
+    both = configuration(stock_template(), {"image": "acme/trainer:1", "request": {"max_duration": "1h"},
+                                            "work": {"command": ["true"], "image": "acme/trainer:2"}})
+    assert admitted(both, [])[0].work.image == "acme/trainer:2"  # work.image is the image where both are given
 
 
 def test_a_process_job_warns_of_container_settings_it_leaves_unused():
