@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Run prefect-docker's own worker tests against the e31 worker, with the stock DockerWorker as the control,
-# and class each e31 result: conforms, refused (by name), silent (a difference docs/operating.md names) or bug.
+# and class each e31 result: conforms, named (refused or failed by name), silent (a difference
+# docs/operating.md names), harness (upstream's mock; checked on the real engine instead) or bug.
 #   scripts/prefect-docker-conformance.sh [UPSTREAM]     # then read the per-test table and the totals it prints
 # UPSTREAM: a prefect-docker checkout (the folder holding tests/test_worker.py), or a git dir of Prefect's
 # monorepo (default: /work/.mirror/PrefectHQ+prefect/repo, its HEAD). A maintainer's tool, not part of CI:
@@ -101,4 +102,4 @@ for variant in ${E31_CONFORMANCE_VARIANTS:-control e31}; do
 done
 
 echo "Logs: $scratch/results/<variant>/<chunk>.log" >&2
-exec "$python" "$here/prefect_docker_conformance.py" table "$scratch" "$here/../docs/operating.md"
+exec "$python" "$here/prefect_docker_conformance.py" table "$scratch" "$here/.."
