@@ -364,7 +364,7 @@ def _descendants(root: int) -> set[int]:
             stat = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
         except (OSError, IndexError):
             continue
-        if stat[0] not in ("Z", "X"):
+        if stat[0] not in ("Z", "X") or _threads_live(entry):
             children.setdefault(int(stat[1]), []).append(int(entry))
     found: set[int] = set()
     stack = [root]
@@ -374,6 +374,16 @@ def _descendants(root: int) -> set[int]:
                 found.add(child)
                 stack.append(child)
     return found
+
+
+def _threads_live(pid: str) -> bool:
+    """Whether a process /proc shows as a zombie still has live threads: its main thread exited while others
+    work on (a cgroup's kill misses them; a SIGKILL to the process ends them all)."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            return any(line.startswith("Threads:") and int(line.split()[1]) > 1 for line in status)
+    except (OSError, ValueError):
+        return False
 
 
 def reap(but: int | None = None) -> None:
