@@ -79,6 +79,7 @@ ENGINE_MODULES = ("prefect.engine", "prefect.flow_engine", "prefect._internal.me
 _pipe: list[str] = []  # where to say it; taken out of the environment, so the flow's own code never sees it
 _said: list[str] = []  # the outcome said, once
 _reporting_last: list[bool] = []  # set while the engine reports the top flow run's last state
+_report_seconds: list[float] = []  # how long that report may take; taken out of the environment like the pipe
 
 
 def say(word: str) -> None:
@@ -229,12 +230,18 @@ def is_last_state(engine: Any, state: Any) -> bool:
     return True
 
 
-def report_seconds() -> float:
-    """How long the last state's report may take, as the worker set it."""
+def take_report_seconds() -> None:
+    """Take how long the last state's report may take, as the worker set it, out of the environment: the
+    job's own code has no use for it."""
     try:
-        return max(0.0, float(os.environ.get(REPORT_SECONDS_VARIABLE, REPORT_SECONDS)))
+        _report_seconds.append(max(0.0, float(os.environ.pop(REPORT_SECONDS_VARIABLE, REPORT_SECONDS))))
     except ValueError:
-        return REPORT_SECONDS
+        _report_seconds.append(REPORT_SECONDS)
+
+
+def report_seconds() -> float:
+    """How long the last state's report may take."""
+    return _report_seconds[-1] if _report_seconds else REPORT_SECONDS
 
 
 def unanswered(error: BaseException) -> bool:
@@ -464,6 +471,7 @@ def main() -> None:
                                                        (API_SOCKET_VARIABLE, api_socket),
                                                        ("PREFECT_API_URL", api_url)) if value}
             start_again_with(wait_for_hand_over(hand_over), control)
+        take_report_seconds()
         start_shards()
         runpy.run_module("prefect.engine", run_name="__main__", alter_sys=True)
 

@@ -176,10 +176,11 @@ class _Reader:
         end = self.skip(inside, depth + 1, within=SMALL_BYTES)
         if end is not None:  # small: Python's json builds it (a few kB at most), only its read is kept
             try:
-                built, length = _scan(self.data[start:end].decode(), 0)
+                text = bytes(self.data[start:end]).decode()
+                built, length = _scan(text, 0)
             except (StopIteration, ValueError, RecursionError):
                 raise _NotJSON from None
-            if length != end - start:  # not the same end: not the same value
+            if length != len(text):  # not the same end: not the same value (counted in characters, not bytes)
                 raise _NotJSON
             return self.cut(built, read), end
         if kind is dict:

@@ -149,3 +149,18 @@ def containers_labelled(job_name: str) -> list[str]:
     listed = subprocess.run(["docker", "ps", "-aq", "--filter", f"label=e31.job={job_name}"],
                             capture_output=True, text=True, check=True)
     return listed.stdout.split()
+
+
+def host_processes_with(marker: str) -> list[int]:
+    """Live processes (any thread's command line) of the host that carry ``marker``, as the host sees them.
+
+    A process job has a PID namespace of its own, so the pids it writes down are not the host's: a test
+    finds the job's processes by a marker in their command line instead."""
+    found = set()
+    for task in Path("/proc").glob("[0-9]*/task/*"):
+        try:
+            if marker.encode() in (task / "cmdline").read_bytes() and " Z " not in (task / "stat").read_text():
+                found.add(int(task.parent.parent.name))
+        except OSError:
+            continue
+    return sorted(found)

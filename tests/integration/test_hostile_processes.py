@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import cli, flow_run_id
+from tests.integration.conftest import cli, flow_run_id, host_processes_with
 from tests.integration.test_jobs_end_to_end import read_run, write_job
 
 pytestmark = [pytest.mark.integration,
@@ -152,18 +152,6 @@ def exits():
     (output_dir() / "processes.json").write_text(json.dumps(listing()))
     os.kill(os.getpid(), signal.SIGKILL)
 """
-
-
-def host_processes_with(marker: str) -> list[int]:
-    """Live processes (any thread's command line) of the host that carry ``marker``, as the host sees them."""
-    found = set()
-    for task in Path("/proc").glob("[0-9]*/task/*"):
-        try:
-            if marker.encode() in (task / "cmdline").read_bytes() and " Z " not in (task / "stat").read_text():
-                found.add(int(task.parent.parent.name))
-        except OSError:
-            continue
-    return sorted(found)
 
 
 def the_jobs_own(command: str, marker: str) -> bool:

@@ -13,15 +13,14 @@ import sys
 import textwrap
 import time
 from pathlib import Path
-from uuid import UUID
+from uuid import UUID, uuid4
 
 import pytest
 from prefect import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 from prefect.events.filters import EventFilter, EventNameFilter, EventResourceFilter
 
-from e31_prefect.host.ledger import process_running
-from tests.integration.conftest import cli, flow_run_id
+from tests.integration.conftest import cli, flow_run_id, host_processes_with
 
 pytestmark = pytest.mark.integration
 
@@ -199,6 +198,7 @@ def test_code_on_the_jobs_own_pythonpath_runs_only_once_it_was_handed_its_device
 
 
 def test_time_limit_kills_the_process_group_and_fails_timed_out(prefect_server, tmp_path, pool):
+    marker = f"e31-test-child-{uuid4()}"  # the job's pids are its namespace's: the host finds its child by this
     job = write_job(tmp_path / "slow", """
         name: too-slow
         work: {flow: flow.py:slow}
@@ -211,11 +211,10 @@ def test_time_limit_kills_the_process_group_and_fails_timed_out(prefect_server, 
 
         @flow
         def slow():
-            child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-            (output_dir() / "child.pid").write_text(str(child.pid))
+            subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", "MARKER"])
             (output_dir() / "partial.txt").write_text("written before the limit")
             time.sleep(600)
-        """)
+        """.replace("MARKER", marker))
     result = cli("e31", "run", str(job), "--pool", pool, gpus="1xH100",
                  env={"E31_STOP_GRACE_SECONDS": "2"})
     assert result.returncode == 1, result.stdout + result.stderr
@@ -226,7 +225,7 @@ def test_time_limit_kills_the_process_group_and_fails_timed_out(prefect_server, 
     assert "e31:timed-out" in run.tags
     out = tmp_path / "slow" / "out"
     assert (out / "partial.txt").read_text() == "written before the limit"
-    assert not process_running(int((out / "child.pid").read_text()))
+    assert host_processes_with(marker) == [], "the job's child outlived its time limit"
     billed = float(next(t for t in run.tags if t.startswith("e31:billed-s=")).split("=")[1])
     assert 19 <= billed <= 20 + 2 + 1, "billed past its time limit and grace"
     e31_events(run_id, {"e31.job.timed-out", "e31.job.released"})

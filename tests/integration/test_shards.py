@@ -15,13 +15,13 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from uuid import uuid4
 
 import pytest
 from prefect import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 
-from e31_prefect.host.ledger import process_running
-from tests.integration.conftest import cli, flow_run_id
+from tests.integration.conftest import cli, flow_run_id, host_processes_with
 
 pytestmark = pytest.mark.integration
 
@@ -144,11 +144,12 @@ def test_the_time_limit_stops_every_running_shard(prefect_server, tmp_path, pool
     folder = tmp_path / "sleepy"
     folder.mkdir()
     (folder / "sleep.py").write_text(SLEEP)
-    (folder / "job.yaml").write_text(textwrap.dedent("""\
+    marker = f"e31-test-shard-{uuid4()}"  # the shards' pids are their namespace's: the host finds them by this
+    (folder / "job.yaml").write_text(textwrap.dedent(f"""\
         name: sleepy-array
-        work: {command: [python, sleep.py], shards: 8}
-        request: {gpus: 4, max_duration: 15s}
-        output: {to: ./out/}
+        work: {{command: [python, sleep.py, {marker}], shards: 8}}
+        request: {{gpus: 4, max_duration: 15s}}
+        output: {{to: ./out/}}
         """))
     result = cli("e31", "run", str(folder / "job.yaml"), "--pool", pool, gpus="4xH100",
                  env={"E31_STOP_GRACE_SECONDS": "2"})
@@ -156,18 +157,19 @@ def test_the_time_limit_stops_every_running_shard(prefect_server, tmp_path, pool
     assert ": TimedOut" in result.stdout
     pids = [int(path.read_text()) for path in (folder / "out").glob("shard-*/pid")]
     assert 1 <= len(pids) <= 4  # four GPUs, one shard each at a time; the rest never started
-    assert not any(process_running(pid) for pid in pids)
+    assert host_processes_with(marker) == [], "a shard outlived the run's time limit"
 
 
 def test_cancelling_a_sharded_run_stops_every_running_shard(prefect_server, tmp_path, pool):
     folder = tmp_path / "cancel"
     folder.mkdir()
     (folder / "sleep.py").write_text(SLEEP)
-    (folder / "job.yaml").write_text(textwrap.dedent("""\
+    marker = f"e31-test-shard-{uuid4()}"
+    (folder / "job.yaml").write_text(textwrap.dedent(f"""\
         name: cancelled-array
-        work: {command: [python, sleep.py], shards: 6, shards_per_gpu: 2}
-        request: {gpus: 1, max_duration: 10m}
-        output: {to: ./out/}
+        work: {{command: [python, sleep.py, {marker}], shards: 6, shards_per_gpu: 2}}
+        request: {{gpus: 1, max_duration: 10m}}
+        output: {{to: ./out/}}
         """))
     submitted = cli("e31", "submit", str(folder / "job.yaml"), "--pool", pool)
     run_id = flow_run_id(submitted.stdout)
@@ -189,7 +191,7 @@ def test_cancelling_a_sharded_run_stops_every_running_shard(prefect_server, tmp_
     with get_client(sync_client=True) as client:
         run = client.read_flow_run(run_id)
     assert run.state.is_cancelled(), (run.state, output[-3000:])
-    assert not any(process_running(pid) for pid in pids)
+    assert host_processes_with(marker) == [], "a shard outlived its run's cancel"
 
 
 STAMP = """\

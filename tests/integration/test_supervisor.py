@@ -27,6 +27,7 @@ from e31_prefect.host.inventory import Device, Inventory
 from e31_prefect.host.ledger import Holding, Record, RunFolder, Spec, now, process_running
 from e31_prefect.host.supervision import Supervisor, make_hand_over_pipe, make_work_ended_pipe
 from e31_prefect.surface.life_terms import meter_from
+from tests.integration.conftest import host_processes_with
 from tests.integration.test_device_fence import devices_table, free_major, make_nodes
 from tests.unit.test_life import GATE  # what e31's job entry does first: say it is ready, wait for its devices
 
@@ -284,27 +285,15 @@ def test_a_process_job_is_killed_at_its_memory_limit(tmp_path):
     assert record.ending == "out-of-memory"
 
 
-def _running_with(marker: str) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and process_running(int(entry)):
-            try:
-                if marker.encode() in Path(f"/proc/{entry}/cmdline").read_bytes():
-                    found.append(int(entry))
-            except OSError:
-                continue
-    return found
-
-
 def test_a_fork_bomb_is_held_to_the_pids_limit_and_killed(tmp_path):
     bomb = "import os, time\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        time.sleep(0.01)"
     marker = f"bomb-{tmp_path.name}"
     supervisor = start(tmp_path / "run", bomb, marker, seconds=3, pids_limit=64)
     time.sleep(1.5)
-    assert len(_running_with(marker)) <= 64
+    assert len(host_processes_with(marker)) <= 64
     record = finished(tmp_path / "run", supervisor, timeout=60)
     assert record.ending == "timed-out" and record.limits["pids"]
-    assert _running_with(marker) == []
+    assert host_processes_with(marker) == []
 
 
 def test_work_that_cannot_start_is_recorded_not_started(tmp_path):

@@ -17,6 +17,7 @@ from e31_prefect.host.gateway_bodies import KEPT_BYTES, WHOLE, BodyRefused, Budg
 from e31_prefect.host.gateway_rules import (
     MESSAGE_READS,
     Owned,
+    answer_reads,
     event_for_job,
     event_from_job,
     learn,
@@ -610,6 +611,18 @@ def test_a_body_read_only_as_far_as_its_judge_looks_is_judged_as_the_whole_body(
     assert refusal(method, route, read_json(json.dumps(body).encode(), read), mine) == refusal(method, route, body,
                                                                                               mine)
 
+
+
+@pytest.mark.parametrize("name", ["nightly run / ../ #1 ünï", "夜間", "🌙 run"])
+def test_an_answer_with_text_past_ascii_is_learned_as_the_server_sends_it(name):
+    """The server sends UTF-8 unescaped: a run named so still names its deployment to the gateway (the engine
+    reads that deployment next)."""
+    mine, deployment = owned(), str(uuid4())
+    answer = {"id": RUN, "name": name, "deployment_id": deployment, "tags": [name], "labels": {"note": name}}
+    read = answer_reads("GET", f"/flow_runs/{RUN}")
+    learn("GET", f"/flow_runs/{RUN}", read_json(json.dumps(answer, ensure_ascii=False).encode(), read), mine)
+    assert refusal("GET", f"/deployments/{deployment}", None, mine) is None
+    assert name in mine.tags
 
 @pytest.mark.parametrize("event", [*FORGED_EVENTS, "own task", "own flow run", "own artifact"])
 def test_an_event_read_only_as_far_as_its_judge_looks_is_judged_as_the_whole_event(event):
