@@ -23,7 +23,7 @@ from prefect import get_client
 from e31_prefect.host.inventory import Device, Inventory
 from e31_prefect.host.ledger import Record, RunFolder, process_running
 from e31_prefect.model.meter import work_end
-from tests.integration.conftest import cli, flow_run_id
+from tests.integration.conftest import cli, flow_run_id, host_processes_with
 from tests.integration.test_jobs_end_to_end import artifacts_of, read_run, write_job
 
 pytestmark = pytest.mark.integration
@@ -38,8 +38,10 @@ from e31_prefect import output_dir
 def work(seconds: float = 3, daemon: bool = False) -> dict:
     (output_dir() / "checkpoint.txt").write_text("epoch 1")
     if daemon:  # a daemon in a session of its own, as a careless or hostile job would leave
+        # Marked with its run's id: its pid is its PID namespace's, so the host finds it by that mark.
         subprocess.Popen([sys.executable, "-c", "import os, time; open('daemon.pid', 'w').write(str(os.getpid()));"
-                          "time.sleep(600)"], cwd=output_dir(), start_new_session=True)
+                          "time.sleep(600)", "e31-test-daemon-" + os.environ["PREFECT__FLOW_RUN_ID"]],
+                         cwd=output_dir(), start_new_session=True)
     started = datetime.now(timezone.utc).isoformat()
     time.sleep(seconds)
     ran = {"devices": os.environ["CUDA_VISIBLE_DEVICES"], "started": started,
@@ -245,7 +247,8 @@ def test_a_cancelled_run_is_stopped_with_its_daemon_and_billed_to_the_stop(prefe
     try:
         until(lambda: running_under_supervisor(home, run_id), 120, "the run starting")
         daemon_pid = tmp_path / "host" / "workspaces" / str(run_id) / "output" / "daemon.pid"
-        daemon = int(until(lambda: daemon_pid.exists() and daemon_pid.read_text(), 30, "the daemon starting"))
+        until(lambda: daemon_pid.exists() and daemon_pid.read_text(), 30, "the daemon starting")
+        assert host_processes_with(f"e31-test-daemon-{run_id}"), "the daemon is not found by its mark"
         cancelled = cli("prefect", "flow-run", "cancel", str(run_id))
         assert cancelled.returncode == 0, cancelled.stdout + cancelled.stderr
         asked = datetime.now().astimezone()
@@ -254,7 +257,7 @@ def test_a_cancelled_run_is_stopped_with_its_daemon_and_billed_to_the_stop(prefe
         worker.stop(timeout=30)
     run = read_run(run_id)
     assert run.state.is_cancelled(), run.state
-    assert not process_running(daemon), "the setsid daemon outlived its cancelled run"
+    assert host_processes_with(f"e31-test-daemon-{run_id}") == [], "the setsid daemon outlived its cancelled run"
     rented = datetime.fromisoformat(next(r["at"] for r in json.loads(artifacts_of(run_id)["meter"].data)
                                          if r["step"] == "rented"))
     assert billed_in_artifact(run_id) <= (asked - rented).total_seconds() + 2 + 1  # the watcher's beat and grace
