@@ -63,6 +63,7 @@ class Holding:
     stop_at: str | None = None  # the time limit: when the supervisor stops the work
     marks: dict[str, str] = field(default_factory=dict)
     output_bounds: dict[str, Any] = field(default_factory=dict)  # its OutputBounds: its disk, files, time to send
+    host: str | None = None  # the host (E31_HOST_NAME) whose worker holds it: only that host's workers adopt it
 
     def marks_as_datetimes(self) -> dict[str, datetime]:
         """The meter marks recorded so far."""
@@ -304,10 +305,17 @@ class Ledger:
         return [RunFolder(path) for path in sorted(self.root.iterdir())
                 if path.is_dir() and (path / "holding.json").exists()]
 
-    def claim_orphans(self) -> list[tuple[RunFolder, int]]:
-        """The runs no live worker owns, each with its owner lock, now held by the caller who adopts them."""
+    def claim_orphans(self, host: str | None = None) -> list[tuple[RunFolder, int]]:
+        """The runs no live worker owns, each with its owner lock, now held by the caller who adopts them.
+
+        ``host``: the caller's host name; a run held for another host (two e31 hosts on one machine that
+        share an E31_HOME by mistake) is left to that host's workers.
+        """
         claimed = []
         for folder in self.folders():
+            holding = folder.holding()
+            if host is not None and holding is not None and holding.host not in (None, host):
+                continue
             fd = folder.own()
             if fd is not None:
                 claimed.append((folder, fd))

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 from typing import Literal
 
@@ -24,6 +25,12 @@ class E31Settings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="E31_", extra="ignore")
 
+    host_name: str = Field(
+        default_factory=socket.gethostname, min_length=1, max_length=200, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+        description="This host's name in the pool: in each run's infrastructure id, its ledger entry, its devices' "
+        "events, its published inventory and heartbeats. Default: the machine's hostname; give each e31 host on one "
+        "machine a name of its own (with its own E31_HOME and E31_DEVICE_LOCKS), as tests and benchmarks do.",
+    )
     gpus: str | None = Field(
         default=None,
         description="Declared GPU inventory (0:H100,1:H100 or 4xH100); NVML is asked when unset.",

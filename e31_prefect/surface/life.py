@@ -99,7 +99,7 @@ class JobLife(Sending, Watching):
         self.task_status = task_status
         self.log = worker.get_flow_run_logger(flow_run)
         related = worker._event_related_resources(configuration=configuration) if configuration else []
-        self.report = reporting.JobReport(worker.client, flow_run, related)
+        self.report = reporting.JobReport(worker.client, flow_run, related, worker.settings.host_name)
         self.meter = worker.meters.setdefault(flow_run.id, Meter())
         self.folder = worker.ledger.folder(str(flow_run.id))
         self.workspace = worker.settings.workspaces / str(flow_run.id)
@@ -338,7 +338,8 @@ class JobLife(Sending, Watching):
         if self.folder.holding() is None:
             pid, started = this_process()
             self.folder.write_holding(Holding(flow_run_id=str(self.run_id), worker_pid=pid, worker_started=started,
-                                              job_name=self.job_name, devices=[], workspace=str(self.workspace)))
+                                              job_name=self.job_name, devices=[], workspace=str(self.workspace),
+                                              host=self.worker.settings.host_name))
 
     def _write_holding(self, job: Job, runtime: Runtime, stop_at: datetime | None) -> None:
         pid, started = this_process()
@@ -349,7 +350,7 @@ class JobLife(Sending, Watching):
             destination=self._destination(job), lease=str(self.lease) if self.lease else None,
             runtime=runtime.name, gpus=len(self.devices), team=job.team, storage=job.storage,
             stop_at=stop_at.isoformat() if stop_at else None,
-            output_bounds=dataclasses.asdict(self.bounds) if self.bounds else {})
+            output_bounds=dataclasses.asdict(self.bounds) if self.bounds else {}, host=self.worker.settings.host_name)
         self._save()
 
     def _save(self) -> None:
@@ -421,7 +422,7 @@ class JobLife(Sending, Watching):
         for note in record.notes:
             self.log.warning("Supervisor: %s", note)
         self.report.step("running", self.devices, infrastructure=str(record.infrastructure))
-        self._signal_started(infrastructure_id(self.run_id))
+        self._signal_started(infrastructure_id(self.run_id, self.worker.settings.host_name))
 
     # -- release ----------------------------------------------------------------------------------
 

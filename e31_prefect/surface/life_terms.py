@@ -5,7 +5,6 @@ ended and its meter from the ledger; and what it needs of the worker that lives 
 from __future__ import annotations
 
 import dataclasses
-import socket
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -97,12 +96,13 @@ def judge(record: Record | None, flow_state: State | None, died: Ending, job: Jo
                        "were kept." + (f" Its last output:\n{tail}" if tail else ""))
 
 
-def infrastructure_id(flow_run_id: UUID | str) -> str:
-    """How e31 names a run's infrastructure to Prefect (``infrastructure_pid``): its host and flow run.
+def infrastructure_id(flow_run_id: UUID | str, host: str) -> str:
+    """How e31 names a run's infrastructure to Prefect (``infrastructure_pid``): its host (``E31_HOST_NAME``)
+    and flow run.
 
     The run's supervisor is found from these, whatever the runtime, by the worker's kill_infrastructure.
     """
-    return f"e31:{socket.gethostname()}:{flow_run_id}"
+    return f"e31:{host}:{flow_run_id}"
 
 
 def parse_infrastructure_id(text: str) -> tuple[str, str]:

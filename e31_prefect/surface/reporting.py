@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 from collections.abc import Sequence
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -45,9 +44,8 @@ def state_of(ending: Ending) -> State:
     return Failed(name=ending.name, message=ending.message)
 
 
-def device_resources(devices: Sequence[Device], host: str | None = None) -> list[RelatedResource]:
+def device_resources(devices: Sequence[Device], host: str) -> list[RelatedResource]:
     """The rented GPUs as related resources of an event: ``e31.gpu.<host>.<index>``."""
-    host = host or socket.gethostname()
     return [
         RelatedResource.model_validate({
             "prefect.resource.id": f"e31.gpu.{host}.{d.index}",
@@ -66,10 +64,11 @@ def artifact_key(prefix: str, name: str) -> str:
 class JobReport:
     """Reports the steps of one flow run's life as events, states and, at the end, its meter."""
 
-    def __init__(self, client: PrefectClient, flow_run: FlowRun, related: list[RelatedResource]):
+    def __init__(self, client: PrefectClient, flow_run: FlowRun, related: list[RelatedResource], host: str):
         self.client = client
         self.flow_run = flow_run
         self.related = related
+        self.host = host  # the host's name (E31_HOST_NAME): its devices are e31.gpu.<host>.<index>
         self._last: Event | None = None
 
     def step(self, step: str, held: Sequence[Device] = (), **payload: Any) -> None:
@@ -80,7 +79,7 @@ class JobReport:
                 "prefect.resource.id": f"prefect.flow-run.{self.flow_run.id}",
                 "prefect.resource.name": self.flow_run.name,
             },
-            related=[*self.related, *device_resources(held)],
+            related=[*self.related, *device_resources(held, self.host)],
             payload=payload,
             follows=self._last,
         )

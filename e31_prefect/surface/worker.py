@@ -19,7 +19,6 @@ import contextlib
 import functools
 import os
 import signal
-import socket
 from datetime import datetime, timedelta, timezone
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
@@ -200,7 +199,7 @@ class E31Worker(BacklogReading, DockerWorker):
         for device in self.inventory.devices:
             if device not in free and device not in holds:
                 holds[device] = None  # held by another process on this host, end unknown
-        value = inventories.describe(self._work_pool_name, self.name, socket.gethostname(),
+        value = inventories.describe(self._work_pool_name, self.name, self.settings.host_name,
                                      self.inventory.devices, holds)
         try:
             await inventories.publish(self.client, self._work_pool_name, self.name, value)
@@ -215,7 +214,7 @@ class E31Worker(BacklogReading, DockerWorker):
         if self._runs_task_group is None or self._stopping or not self._serving:
             return []
         adopted = []
-        for folder, owner in self.ledger.claim_orphans():
+        for folder, owner in self.ledger.claim_orphans(self.settings.host_name):
             self._living.add(UUID(folder.run_id))
             self._runs_task_group.start_soon(self._adopt, folder, owner)
             adopted.append(folder.run_id)
@@ -346,7 +345,8 @@ class E31Worker(BacklogReading, DockerWorker):
         pid, started = this_process()
         folder.write_holding(Holding(flow_run_id=str(flow_run.id), worker_pid=pid, worker_started=started,
                                      job_name=flow_run.name, devices=[],
-                                     workspace=str(self.settings.workspaces / str(flow_run.id))))
+                                     workspace=str(self.settings.workspaces / str(flow_run.id)),
+                                     host=self.settings.host_name))
         self._owners[flow_run.id] = owner
         if await super()._propose_pending_state(flow_run):
             return True
@@ -431,9 +431,9 @@ class E31Worker(BacklogReading, DockerWorker):
         stops the work (SIGTERM, then SIGKILL after its grace, or docker stop, kill, remove).
         """
         host, run_id = parse_infrastructure_id(infrastructure_pid)
-        if host != socket.gethostname():
+        if host != self.settings.host_name:
             raise InfrastructureNotAvailable(f"flow run {run_id} runs on host {host!r}; this worker is on "
-                                             f"{socket.gethostname()!r}")
+                                             f"{self.settings.host_name!r}")
         supervisor = Supervisor(self.ledger.folder(run_id))
         if not supervisor.alive():
             raise InfrastructureNotFound(f"flow run {run_id} has no running work on this host")
@@ -458,4 +458,5 @@ class E31Worker(BacklogReading, DockerWorker):
         finally:
             self._living.discard(flow_run.id)
         failed = ending is not None and ending.is_(endings.WORKER_FAILED)
-        return E31WorkerResult(status_code=1 if failed else 0, identifier=infrastructure_id(flow_run.id))
+        return E31WorkerResult(status_code=1 if failed else 0,
+                               identifier=infrastructure_id(flow_run.id, self.settings.host_name))

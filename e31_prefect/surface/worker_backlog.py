@@ -212,7 +212,7 @@ class BacklogReading:
 
     async def _refuse_missed(self, flow_run: FlowRun, job_name: str, team: str | None, latest: datetime | None,
                              now: datetime) -> None:
-        report = reporting.JobReport(self.client, flow_run, [])
+        report = reporting.JobReport(self.client, flow_run, [], self.settings.host_name)
         message = (f"Deadline missed: the run had to start by {latest.isoformat() if latest else '?'} "
                    f"to finish in time; it is now {now.isoformat(timespec='seconds')}. No GPU was rented.")
         report.step("deadline-missed", latest_start=str(latest), now=now.isoformat())
