@@ -64,6 +64,8 @@ class Holding:
     marks: dict[str, str] = field(default_factory=dict)
     output_bounds: dict[str, Any] = field(default_factory=dict)  # its OutputBounds: its disk, files, time to send
     host: str | None = None  # the host (E31_HOST_NAME) whose worker holds it: only that host's workers adopt it
+    taken: str | None = None  # the Pending state its worker took it with: the attempt's (e31_prefect.model.attempts)
+    attempt: int = 1
 
     def marks_as_datetimes(self) -> dict[str, datetime]:
         """The meter marks recorded so far."""
@@ -109,6 +111,10 @@ class Spec:
     output_dir: str | None = None
     output_max_entries: int | None = None
     output_max_bytes: int | None = None
+    # Its host's heartbeats and fence (e31_prefect.host.heartbeat): the host's name and its pool's lost time
+    # (0: none; the work is not fenced).
+    host: str | None = None
+    host_lost_seconds: float = 0.0
 
 
 @dataclass

@@ -46,6 +46,29 @@ class E31Settings(BaseSettings):
         "pool or E31_HOME, so a device is rented to one run at a time per host. It is 2770: the workers of its "
         "owner and its group share it (workers of several users: make it for a group they are in), no job opens it.",
     )
+    host_lost_seconds: float = Field(
+        default=120.0, ge=0,
+        description="A pool setting (set it alike on its workers): a host whose workers and run supervisors have not "
+        "reached the Prefect API for this long is lost; any live worker of the pool ends its runs' attempts, billed "
+        "to its last heartbeat, and requeues them as new attempts where their deadlines allow. A supervisor cut off "
+        "for three quarters of it stops its work itself (fencing), so no run works in two places at once. 0: none.",
+    )
+    host_attempts: int = Field(
+        default=2, ge=1,
+        description="A pool setting: how many attempts a run may have in all when hosts are lost under it or its "
+        "GPU fails (each rented attempt counts; a loss before the rent does not). Its own Prefect retries are "
+        "kept for its own failures.",
+    )
+    gpu_health_command: str | None = Field(
+        default=None,
+        description="A command that checks one GPU, run for each device every E31_GPU_HEALTH_SECONDS ({index} and "
+        "{uuid} filled in, E31_GPU_INDEX set): a non-zero exit (or 30 s without one) drains the device, with its "
+        "last line of output as the reason, and the run on it ends DeviceFailed and is requeued. NVML's lost GPUs, "
+        "critical Xid events and uncorrected ECC errors drain a device too.",
+    )
+    gpu_health_seconds: float = Field(
+        default=30.0, gt=0, description="How often a pool's worker checks its GPUs' health.",
+    )
     allowed_volumes: list[Path] = Field(
         default_factory=list,
         description="Host folders job containers may mount read-only (a pool's volumes setting), as a JSON "

@@ -77,7 +77,8 @@ class Placement:
                     grace_seconds=self.settings.stop_grace_seconds,
                     report_grace_seconds=self.settings.report_grace_seconds,
                     memory_bytes=self.job.request.memory_bytes, pids_limit=DEFAULT_PIDS_LIMIT,
-                    cgroups=self.settings.cgroups, accounting=str(self.settings.accounting), **fields)
+                    cgroups=self.settings.cgroups, accounting=str(self.settings.accounting),
+                    host=self.settings.host_name, host_lost_seconds=self.settings.host_lost_seconds, **fields)
 
 
 def _secret(value: Any) -> str | None:

@@ -154,6 +154,8 @@ class LifeWorker(Protocol):
     run_states: RunStates
     holds_until: dict[UUID, datetime]
     admitted_latest: dict[UUID, datetime]
+    taken_states: dict[UUID, str]
+    failed_devices: dict[int, tuple[str, datetime]]
     at_keyboard: bool
     _only_flow_run_ids: set[UUID] | None
     _work_pool_name: str
@@ -165,6 +167,12 @@ class LifeWorker(Protocol):
     def rented(self, run_id: UUID, at: datetime) -> None: ...
 
     def return_devices(self, flow_run_id: UUID) -> None: ...
+
+    def maybe_superseded(self, since: float) -> bool: ...
+
+    async def superseded(self, run_id: UUID, taken: str | None) -> bool: ...
+
+    async def lose_attempt(self, run_id: UUID, loss: Any) -> Any: ...
 
 
 class LifeConfiguration(Protocol):

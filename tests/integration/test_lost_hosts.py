@@ -1,0 +1,277 @@
+"""A job outlives its host: hosts lost with everything on them, hosts cut off (stopped) and back.
+
+Two e31 hosts on this machine (each its own E31_HOST_NAME, E31_HOME and device locks) share one pool. A host
+whose processes are all SIGKILLed, or whose worker and supervisors are stopped, is judged lost by the other
+after E31_HOST_LOST_SECONDS (a few seconds here): the attempt it held is billed to its last heartbeat and
+requeued, and runs again on the other host; what the lost host says when it comes back changes nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+from uuid import UUID
+
+import pytest
+from prefect import get_client
+
+from e31_prefect.host.disk import unmount_under
+from e31_prefect.host.ledger import process_running
+from tests.integration.conftest import cli, flow_run_id
+from tests.integration.test_jobs_end_to_end import read_run, write_job
+from tests.integration.test_worker_faults import until
+
+pytestmark = pytest.mark.integration
+
+LOST_SECONDS = "6"  # a host silent this long is lost; its supervisors fence at three quarters of it
+
+FLOW = """
+import json, os, time
+from datetime import datetime, timezone
+from prefect import flow
+from prefect.runtime import flow_run
+from e31_prefect import output_dir
+
+@flow(retries=1)
+def work(seconds: float = 3, fail_on_run: int = 0) -> dict:
+    out = output_dir()
+    started = datetime.now(timezone.utc).isoformat()
+    (out / "started.txt").write_text(started)
+    if flow_run.run_count == fail_on_run:  # its own failure, which its own retry is for
+        raise RuntimeError(f"failing run {fail_on_run}, as asked")
+    end = time.time() + seconds
+    while time.time() < end:
+        (out / "alive.txt").write_text(datetime.now(timezone.utc).isoformat())  # the last moment it ran
+        time.sleep(0.1)
+    ran = {"started": started, "ended": datetime.now(timezone.utc).isoformat(), "run_count": flow_run.run_count}
+    (out / "ran.json").write_text(json.dumps(ran))
+    return ran
+"""
+
+
+class Host:
+    """An e31 host on this machine: its own name, home and device locks, and its worker."""
+
+    def __init__(self, root: Path, name: str, pool: str, **env: str):
+        self.name, self.pool, self.env = name, pool, env
+        self.home = root / name
+        self.worker: subprocess.Popen | None = None
+
+    def start(self) -> Host:
+        self.home.mkdir(parents=True, exist_ok=True)
+        log = (self.home / f"worker-{time.monotonic_ns()}.log").open("wb")
+        self.worker = subprocess.Popen(
+            [str(Path(sys.executable).parent / "prefect"), "worker", "start", "--pool", self.pool, "--type", "e31",
+             "--name", f"{self.pool}-{self.name}"],
+            env={**os.environ, "E31_HOST_NAME": self.name, "E31_HOME": str(self.home),
+                 "E31_DEVICE_LOCKS": str(self.home / "locks"), "E31_GPUS": "1xH100", "E31_WATCH_SECONDS": "0.5",
+                 "E31_STOP_GRACE_SECONDS": "1", "E31_HOST_LOST_SECONDS": LOST_SECONDS,
+                 "PREFECT_WORKER_QUERY_SECONDS": "1", "PREFECT_WORKER_HEARTBEAT_SECONDS": "2", **self.env},
+            stdout=log, stderr=subprocess.STDOUT)
+        return self
+
+    def processes(self) -> list[int]:
+        """The worker and everything below it: supervisors, fence keepers, the jobs' processes."""
+        assert self.worker is not None
+        children: dict[int, list[int]] = {}
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    stat = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+                except (OSError, IndexError):
+                    continue
+                children.setdefault(int(stat[1]), []).append(int(entry))
+        found, stack = [self.worker.pid], [self.worker.pid]
+        while stack:
+            for child in children.get(stack.pop(), []):
+                found.append(child)
+                stack.append(child)
+        return found
+
+    def supervisors(self) -> list[int]:
+        return [pid for pid in self.processes() if b"e31_prefect.supervisor" in _cmdline(pid)]
+
+    def lose(self) -> None:
+        """A power cut: every process of the host SIGKILLed at once."""
+        for pid in self.processes():
+            os.kill(pid, signal.SIGKILL)
+        assert self.worker is not None
+        self.worker.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.worker is not None and self.worker.poll() is None:
+            self.worker.send_signal(signal.SIGTERM)
+            self.worker.wait(timeout=60)
+
+    def output(self) -> str:
+        return "\n".join(log.read_text(errors="replace")[-3000:] for log in sorted(self.home.glob("worker-*.log")))
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def submit(tmp_path: Path, pool: str, name: str, **parameters: object) -> UUID:
+    job = write_job(tmp_path / name, f"""
+        name: {name}
+        work: {{flow: flow.py:work, parameters: {json.dumps(parameters)}}}
+        request: {{gpus: 1, max_duration: 10m, deadline: +1h}}
+        output: {{to: ./out/}}
+        """, flow=FLOW)
+    submitted = cli("e31", "submit", str(job), "--pool", pool)
+    assert submitted.returncode == 0, submitted.stderr
+    return flow_run_id(submitted.stdout)
+
+
+def states(run_id: UUID) -> list:
+    with get_client(sync_client=True) as client:
+        return client.read_flow_run_states(run_id)
+
+
+def meters(run_id: UUID) -> dict[str, list[dict]]:
+    """Each attempt's e31-meter table (its latest version), by key."""
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(
+            any_=[run_id])))
+    tables: dict[str, list[dict]] = {}
+    for artifact in sorted(found, key=lambda a: a.created):
+        if artifact.key and artifact.key.startswith("e31-meter"):
+            tables.setdefault(artifact.key, []).append(json.loads(artifact.data))
+    return {key: versions for key, versions in tables.items()}
+
+
+def running_on(host: Host, run_id: UUID) -> bool:
+    run = read_run(run_id)
+    return run.state.is_running() and (run.labels or {}).get("e31.host") == host.name and \
+        (host.home / "workspaces" / str(run_id) / "output" / "alive.txt").exists()
+
+
+def requeued(run_id: UUID) -> object:
+    return next((s for s in states(run_id) if s.name == "HostLost"), None)
+
+
+def completed(run_id: UUID, attempts: int = 2) -> bool:
+    """The run completed and its last attempt's meter is closed (its outputs went before)."""
+    return read_run(run_id).state.is_completed() and len(meters(run_id)) >= attempts
+
+
+@pytest.fixture
+def hosts(tmp_path, pool):
+    made: list[Host] = []
+
+    def make(name: str, **env: str) -> Host:
+        made.append(Host(tmp_path / "hosts", name, pool, **env))
+        return made[-1]
+
+    yield make
+    for host in made:
+        for pid in host.processes() if host.worker is not None and host.worker.poll() is None else []:
+            if process_running(pid):
+                os.kill(pid, signal.SIGCONT)
+        host.stop()
+        unmount_under(host.home)  # a lost host's output disks: its own business, once it starts again
+
+
+def test_a_host_lost_with_everything_on_it_costs_its_run_a_delay_not_its_night(prefect_server, tmp_path, pool,
+                                                                               hosts):
+    assert cli("e31", "quota", "set", "--pool", pool, "1").returncode == 0  # one GPU's slots in all
+    run_id = submit(tmp_path, pool, "survivor", seconds=8, fail_on_run=2)
+    a = hosts("host-a").start()
+    until(lambda: running_on(a, run_id), 180, "the run starting on host A")
+    b = hosts("host-b").start()
+    a.lose()
+    lost = until(lambda: requeued(run_id), 120, "the pool requeuing the run lost with host A")
+    assert "Host host-a was lost" in lost.message and "no heartbeat since" in lost.message, lost.message
+    assert "Requeued as attempt 2" in lost.message, lost.message
+    until(lambda: completed(run_id), 180, "the run completing on host B")
+    run = read_run(run_id)
+    assert run.state.is_completed(), (run.state, b.output())
+    assert run.labels["e31.host"] == "host-b"
+    # Its own retry was kept for its own failure: it failed once on host B (run 2) and completed on its retry.
+    assert json.loads((tmp_path / "survivor" / "out" / "ran.json").read_text())["run_count"] == 3
+    # Each attempt has its meter: the lost one billed to host A's last heartbeat, then the new one.
+    tables = meters(run_id)
+    assert sorted(tables) == ["e31-meter-survivor", "e31-meter-survivor-attempt-2"], tables
+    assert all(len(versions) == 1 for versions in tables.values()), "an attempt's meter was recorded twice"
+    first = {row["step"]: row for row in tables["e31-meter-survivor"][0]}
+    heard = datetime.fromisoformat(lost.message.split("no heartbeat since ")[1].split(" ")[0])
+    # The message names the heartbeat to the second; the meter has it whole.
+    assert abs((datetime.fromisoformat(first["run_ended"]["at"]) - heard).total_seconds()) < 1
+    assert "e31:attempts=2" in run.tags
+    # The lost attempt's quota slots were freed with it: the new one never waited for them.
+    assert not [s for s in states(run_id) if s.message and "Quota full" in s.message]
+
+    # Host A comes back with its E31_HOME: its worker adopts what its ledger held, and says nothing of it.
+    a.start()
+    until(lambda: not (a.home / "ledger" / str(run_id)).exists(), 120, "host A letting its lost attempt go")
+    a.stop()
+    assert read_run(run_id).state.is_completed()
+    assert sorted(meters(run_id)) == sorted(tables) and all(len(v) == 1 for v in meters(run_id).values())
+    assert (a.home / "spool" / "superseded" / f"{run_id}-attempt-1" / "outputs" / "alive.txt").exists(), \
+        "the lost attempt's outputs are kept in its host's spool"
+
+
+def test_a_host_that_comes_back_wiped_ends_the_runs_it_held_at_once(prefect_server, tmp_path, pool, hosts):
+    run_id = submit(tmp_path, pool, "wiped", seconds=4)
+    a = hosts("host-a").start()
+    until(lambda: running_on(a, run_id), 180, "the run starting on host A")
+    a.lose()
+    unmount_under(a.home)  # a host that starts again mounts nothing of what it had
+    shutil.rmtree(a.home)
+    a.start()  # alone in the pool, at once: its heartbeat never stops long enough for it to be judged lost
+    lost = until(lambda: requeued(run_id), 120, "host A ending the run its wiped ledger forgot")
+    assert "E31_HOME wiped" in lost.message, lost.message
+    until(lambda: completed(run_id), 180, "the run completing on host A again")
+    assert sorted(meters(run_id)) == ["e31-meter-wiped", "e31-meter-wiped-attempt-2"]
+
+
+def test_a_cut_off_host_stops_its_work_before_the_pool_runs_it_elsewhere(prefect_server, tmp_path, pool, hosts):
+    run_id = submit(tmp_path, pool, "partitioned", seconds=10)
+    a = hosts("host-a").start()
+    until(lambda: running_on(a, run_id), 180, "the run starting on host A")
+    hosts("host-b").start()
+    stopped = [a.worker.pid, *a.supervisors()]
+    job = [pid for pid in a.processes() if pid not in stopped and b"fence" not in _cmdline(pid)]
+    for pid in stopped:
+        os.kill(pid, signal.SIGSTOP)  # a host that stops answering; its jobs' processes go on
+    try:
+        until(lambda: not any(process_running(pid) for pid in job), 60, "host A's fence stopping the work")
+        until(lambda: requeued(run_id), 120, "the pool requeuing the run of host A")
+        until(lambda: completed(run_id), 180, "the run completing on host B")
+    finally:
+        for pid in stopped:
+            os.kill(pid, signal.SIGCONT)
+    until(lambda: not (a.home / "ledger" / str(run_id)).exists(), 120, "host A letting its fenced attempt go")
+    kept = a.home / "spool" / "superseded" / f"{run_id}-attempt-1" / "outputs"
+    last_alive = datetime.fromisoformat((kept / "alive.txt").read_text())
+    second_start = datetime.fromisoformat((tmp_path / "partitioned" / "out" / "started.txt").read_text())
+    assert last_alive < second_start, "the run worked in two places at once"
+    run = read_run(run_id)
+    assert run.state.is_completed() and run.labels["e31.host"] == "host-b", run.state
+    assert sorted(meters(run_id)) == ["e31-meter-partitioned", "e31-meter-partitioned-attempt-2"]
+    assert all(len(versions) == 1 for versions in meters(run_id).values())
+
+
+def test_a_run_out_of_attempts_ends_host_lost_saying_why(prefect_server, tmp_path, pool, hosts):
+    run_id = submit(tmp_path, pool, "once", seconds=600)
+    a = hosts("host-a", E31_HOST_ATTEMPTS="1").start()
+    until(lambda: running_on(a, run_id), 180, "the run starting on host A")
+    hosts("host-b", E31_HOST_ATTEMPTS="1").start()
+    a.lose()
+    until(lambda: read_run(run_id).state.is_final(), 120, "the pool ending the run")
+    run = read_run(run_id)
+    assert run.state.name == "HostLost" and run.state.is_failed(), run.state
+    assert "all it may (E31_HOST_ATTEMPTS=1)" in run.state.message
+    assert "e31:host-lost" in run.tags and any(t.startswith("e31:billed-s=") for t in run.tags)
