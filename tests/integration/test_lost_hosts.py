@@ -12,9 +12,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
-import time
 from datetime import datetime
 from pathlib import Path
 from uuid import UUID
@@ -24,13 +21,11 @@ from prefect import get_client
 
 from e31_prefect.host.disk import unmount_under
 from e31_prefect.host.ledger import process_running
-from tests.integration.conftest import cli, flow_run_id
+from tests.integration.conftest import Host, cli, cmdline, flow_run_id
 from tests.integration.test_jobs_end_to_end import read_run, write_job
 from tests.integration.test_worker_faults import until
 
 pytestmark = pytest.mark.integration
-
-LOST_SECONDS = "6"  # a host silent this long is lost; its supervisors fence at three quarters of it
 
 FLOW = """
 import json, os, time
@@ -40,85 +35,21 @@ from prefect.runtime import flow_run
 from e31_prefect import output_dir
 
 @flow(retries=1)
-def work(seconds: float = 3, fail_on_run: int = 0) -> dict:
+def work(seconds: float = 3, fail_on_run: int = 0, first_seconds: float = 0) -> dict:
     out = output_dir()
     started = datetime.now(timezone.utc).isoformat()
     (out / "started.txt").write_text(started)
     if flow_run.run_count == fail_on_run:  # its own failure, which its own retry is for
         raise RuntimeError(f"failing run {fail_on_run}, as asked")
-    end = time.time() + seconds
+    end = time.time() + (first_seconds if first_seconds and flow_run.run_count == 1 else seconds)
     while time.time() < end:
         (out / "alive.txt").write_text(datetime.now(timezone.utc).isoformat())  # the last moment it ran
         time.sleep(0.1)
-    ran = {"started": started, "ended": datetime.now(timezone.utc).isoformat(), "run_count": flow_run.run_count}
+    ran = {"started": started, "ended": datetime.now(timezone.utc).isoformat(), "run_count": flow_run.run_count,
+           "devices": os.environ["CUDA_VISIBLE_DEVICES"]}
     (out / "ran.json").write_text(json.dumps(ran))
     return ran
 """
-
-
-class Host:
-    """An e31 host on this machine: its own name, home and device locks, and its worker."""
-
-    def __init__(self, root: Path, name: str, pool: str, **env: str):
-        self.name, self.pool, self.env = name, pool, env
-        self.home = root / name
-        self.worker: subprocess.Popen | None = None
-
-    def start(self) -> Host:
-        self.home.mkdir(parents=True, exist_ok=True)
-        log = (self.home / f"worker-{time.monotonic_ns()}.log").open("wb")
-        self.worker = subprocess.Popen(
-            [str(Path(sys.executable).parent / "prefect"), "worker", "start", "--pool", self.pool, "--type", "e31",
-             "--name", f"{self.pool}-{self.name}"],
-            env={**os.environ, "E31_HOST_NAME": self.name, "E31_HOME": str(self.home),
-                 "E31_DEVICE_LOCKS": str(self.home / "locks"), "E31_GPUS": "1xH100", "E31_WATCH_SECONDS": "0.5",
-                 "E31_STOP_GRACE_SECONDS": "1", "E31_HOST_LOST_SECONDS": LOST_SECONDS,
-                 "PREFECT_WORKER_QUERY_SECONDS": "1", "PREFECT_WORKER_HEARTBEAT_SECONDS": "2", **self.env},
-            stdout=log, stderr=subprocess.STDOUT)
-        return self
-
-    def processes(self) -> list[int]:
-        """The worker and everything below it: supervisors, fence keepers, the jobs' processes."""
-        assert self.worker is not None
-        children: dict[int, list[int]] = {}
-        for entry in os.listdir("/proc"):
-            if entry.isdigit():
-                try:
-                    stat = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-                except (OSError, IndexError):
-                    continue
-                children.setdefault(int(stat[1]), []).append(int(entry))
-        found, stack = [self.worker.pid], [self.worker.pid]
-        while stack:
-            for child in children.get(stack.pop(), []):
-                found.append(child)
-                stack.append(child)
-        return found
-
-    def supervisors(self) -> list[int]:
-        return [pid for pid in self.processes() if b"e31_prefect.supervisor" in _cmdline(pid)]
-
-    def lose(self) -> None:
-        """A power cut: every process of the host SIGKILLed at once."""
-        for pid in self.processes():
-            os.kill(pid, signal.SIGKILL)
-        assert self.worker is not None
-        self.worker.wait(timeout=30)
-
-    def stop(self) -> None:
-        if self.worker is not None and self.worker.poll() is None:
-            self.worker.send_signal(signal.SIGTERM)
-            self.worker.wait(timeout=60)
-
-    def output(self) -> str:
-        return "\n".join(log.read_text(errors="replace")[-3000:] for log in sorted(self.home.glob("worker-*.log")))
-
-
-def _cmdline(pid: int) -> bytes:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return b""
 
 
 def submit(tmp_path: Path, pool: str, name: str, **parameters: object) -> UUID:
@@ -167,23 +98,6 @@ def completed(run_id: UUID, attempts: int = 2) -> bool:
     return read_run(run_id).state.is_completed() and len(meters(run_id)) >= attempts
 
 
-@pytest.fixture
-def hosts(tmp_path, pool):
-    made: list[Host] = []
-
-    def make(name: str, **env: str) -> Host:
-        made.append(Host(tmp_path / "hosts", name, pool, **env))
-        return made[-1]
-
-    yield make
-    for host in made:
-        for pid in host.processes() if host.worker is not None and host.worker.poll() is None else []:
-            if process_running(pid):
-                os.kill(pid, signal.SIGCONT)
-        host.stop()
-        unmount_under(host.home)  # a lost host's output disks: its own business, once it starts again
-
-
 def test_a_host_lost_with_everything_on_it_costs_its_run_a_delay_not_its_night(prefect_server, tmp_path, pool,
                                                                                hosts):
     assert cli("e31", "quota", "set", "--pool", pool, "1").returncode == 0  # one GPU's slots in all
@@ -193,12 +107,12 @@ def test_a_host_lost_with_everything_on_it_costs_its_run_a_delay_not_its_night(p
     b = hosts("host-b").start()
     a.lose()
     lost = until(lambda: requeued(run_id), 120, "the pool requeuing the run lost with host A")
-    assert "Host host-a was lost" in lost.message and "no heartbeat since" in lost.message, lost.message
+    assert f"Host {a.name} was lost" in lost.message and "no heartbeat since" in lost.message, lost.message
     assert "Requeued as attempt 2" in lost.message, lost.message
     until(lambda: completed(run_id), 180, "the run completing on host B")
     run = read_run(run_id)
     assert run.state.is_completed(), (run.state, b.output())
-    assert run.labels["e31.host"] == "host-b"
+    assert run.labels["e31.host"] == b.name
     # Its own retry was kept for its own failure: it failed once on host B (run 2) and completed on its retry.
     assert json.loads((tmp_path / "survivor" / "out" / "ran.json").read_text())["run_count"] == 3
     # Each attempt has its meter: the lost one billed to host A's last heartbeat, then the new one.
@@ -241,9 +155,9 @@ def test_a_cut_off_host_stops_its_work_before_the_pool_runs_it_elsewhere(prefect
     run_id = submit(tmp_path, pool, "partitioned", seconds=10)
     a = hosts("host-a").start()
     until(lambda: running_on(a, run_id), 180, "the run starting on host A")
-    hosts("host-b").start()
+    b = hosts("host-b").start()
     stopped = [a.worker.pid, *a.supervisors()]
-    job = [pid for pid in a.processes() if pid not in stopped and b"fence" not in _cmdline(pid)]
+    job = [pid for pid in a.processes() if pid not in stopped and b"fence" not in cmdline(pid)]
     for pid in stopped:
         os.kill(pid, signal.SIGSTOP)  # a host that stops answering; its jobs' processes go on
     try:
@@ -259,7 +173,7 @@ def test_a_cut_off_host_stops_its_work_before_the_pool_runs_it_elsewhere(prefect
     second_start = datetime.fromisoformat((tmp_path / "partitioned" / "out" / "started.txt").read_text())
     assert last_alive < second_start, "the run worked in two places at once"
     run = read_run(run_id)
-    assert run.state.is_completed() and run.labels["e31.host"] == "host-b", run.state
+    assert run.state.is_completed() and run.labels["e31.host"] == b.name, run.state
     assert sorted(meters(run_id)) == ["e31-meter-partitioned", "e31-meter-partitioned-attempt-2"]
     assert all(len(versions) == 1 for versions in meters(run_id).values())
 
