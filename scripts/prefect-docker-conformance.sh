@@ -1,17 +1,22 @@
 #!/usr/bin/env bash
-# Run prefect-docker's own worker tests against the e31 worker, with the stock DockerWorker as the control.
-#   scripts/prefect-docker-conformance.sh [UPSTREAM]     # then read the per-test table it prints
+# Run prefect-docker's own worker tests against the e31 worker, with the stock DockerWorker as the control,
+# and class each e31 result: conforms, named (refused or failed by name), silent (a difference
+# docs/operating.md names), harness (upstream's mock; checked on the real engine instead) or bug.
+#   scripts/prefect-docker-conformance.sh [UPSTREAM]     # then read the per-test table and the totals it prints
 # UPSTREAM: a prefect-docker checkout (the folder holding tests/test_worker.py), or a git dir of Prefect's
 # monorepo (default: /work/.mirror/PrefectHQ+prefect/repo, its HEAD). A maintainer's tool, not part of CI:
-# issue 22's "done when" is that every difference it shows is the stock result or a refusal the README names.
+# it exits 1 while a difference is a bug or one the docs do not name (issues 22 and 34).
 #
 # Upstream's code is never copied into this repository: it goes to a scratch folder (E31_CONFORMANCE_DIR,
-# default /tmp/prefect-docker-conformance), once as it is (control) and once with its worker import
-# pointing at E31Worker and E31JobConfiguration. Both run in the current Python (the project's venv), in
-# chunks of node ids (E31_CONFORMANCE_CHUNK tests, each chunk at most E31_CONFORMANCE_TIMEOUT seconds), so
-# one slow chunk does not hold back the rest. pytest-asyncio (which upstream's tests need and this project
-# does not) is installed into the scratch folder. Needs a Docker engine (DOCKER_HOST) for the few tests
-# that use a real one. Prints: test id, control result, e31 result, and whether they differ.
+# default /tmp/prefect-docker-conformance), once as it is (control) and once with its worker import pointing
+# at scripts/prefect_docker_conformance.py (copied there as e31_conformance.py): E31Worker, and the job
+# configuration a run of a prefect-docker deployment gets on a pool made by `e31 pool migrate` (the smallest
+# valid e31 job, its image the job's). Both run in the current Python (the project's venv), in chunks of node
+# ids (E31_CONFORMANCE_CHUNK tests, each chunk at most E31_CONFORMANCE_TIMEOUT seconds), so one slow chunk does
+# not hold back the rest. pytest-asyncio (which upstream's tests need and this project does not) is installed
+# into the scratch folder. Upstream's test server is given E31_CONFORMANCE_SERVER_SECONDS (default 180) to
+# start, not its 30: on a loaded machine it times out, and every test of the chunk errors on both sides.
+# Needs a Docker engine (DOCKER_HOST) for the few tests that use a real one.
 set -euo pipefail
 
 upstream=${1:-/work/.mirror/PrefectHQ+prefect/repo}
@@ -19,6 +24,8 @@ scratch=${E31_CONFORMANCE_DIR:-/tmp/prefect-docker-conformance}
 chunk=${E31_CONFORMANCE_CHUNK:-40}
 limit=${E31_CONFORMANCE_TIMEOUT:-1200}
 python=${PYTHON:-python}
+here=$(cd "$(dirname "$0")" && pwd)
+export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=${E31_CONFORMANCE_SERVER_SECONDS:-180}
 in_monorepo=src/integrations/prefect-docker/tests
 
 mkdir -p "$scratch"
@@ -37,6 +44,7 @@ cd "$scratch"
 echo "installed: $("$python" -c 'import importlib.metadata as m; print("prefect", m.version("prefect"), "prefect-docker", m.version("prefect-docker"))')" >&2
 
 # The e31 variant: the same file, its worker and job configuration being e31's (the import is its only change).
+cp "$here/prefect_docker_conformance.py" e31_conformance.py
 "$python" - <<'PY'
 from pathlib import Path
 
@@ -46,8 +54,13 @@ if stock not in source:
     raise SystemExit("upstream's worker import changed; update the e31 variant's replacement in this script")
 Path("test_worker_e31.py").write_text(source.replace(stock, (
     "from prefect_docker.worker import CONTAINER_LABELS\n"
-    "from e31_prefect.worker import E31Worker as DockerWorker\n"
-    "from e31_prefect.worker import E31JobConfiguration as DockerWorkerJobConfiguration")))
+    "from e31_conformance import DockerWorker, DockerWorkerJobConfiguration")))
+# The test server's start-up time, from the setting above (both variants share this conftest).
+conftest = Path("conftest.py").read_text()
+if "prefect_test_harness():" not in conftest:
+    raise SystemExit("upstream's test harness call changed; update its start-up timeout in this script")
+Path("conftest.py").write_text(conftest.replace("prefect_test_harness():",
+                                                "prefect_test_harness(server_startup_timeout=None):"))
 PY
 
 cat > pytest.ini <<'INI'
@@ -69,7 +82,7 @@ run_variant() {  # $1: control or e31; $2: the test file
   local -a ids
   rm -rf "results/$variant" && mkdir -p "results/$variant"
   # Node ids one a line, as pytest prints them (they hold backslashes and brackets: never word-split them).
-  mapfile -t ids < <(PYTHONPATH="$scratch/deps" "$python" -m pytest -p no:cacheprovider --collect-only -q "$file" \
+  mapfile -t ids < <(PYTHONPATH="$scratch:$scratch/deps" "$python" -m pytest -p no:cacheprovider --collect-only -q "$file" \
                      | grep '::')
   printf '%s\n' "${ids[@]}" > "results/$variant/ids"
   for ((at = 0; at < ${#ids[@]}; at += chunk)); do
@@ -77,44 +90,16 @@ run_variant() {  # $1: control or e31; $2: the test file
     local -a group=("${ids[@]:at:chunk}")
     echo "$variant: chunk $part (${#group[@]} tests)" >&2
     # A temporary E31_HOME: the e31 worker's ledger and workspaces never touch the user's.
-    E31_HOME="$scratch/home-$variant-$part" PYTHONPATH="$scratch/deps" timeout "$limit" \
-      "$python" -m pytest -n 0 -p no:cacheprovider --tb=native -q -rfE "${group[@]}" \
+    E31_HOME="$scratch/home-$variant-$part" PYTHONPATH="$scratch:$scratch/deps" timeout "$limit" \
+      "$python" -m pytest -n 0 -p no:cacheprovider --tb=native -q -rfE -o junit_logging=all "${group[@]}" \
       --junitxml "results/$variant/$part.xml" > "results/$variant/$part.log" 2>&1 || true
   done
 }
 
-run_variant control test_worker.py
-run_variant e31 test_worker_e31.py
+# E31_CONFORMANCE_VARIANTS="e31": run e31's side again only, against the control's last results.
+for variant in ${E31_CONFORMANCE_VARIANTS:-control e31}; do
+  run_variant "$variant" "$([ "$variant" = control ] && echo test_worker.py || echo test_worker_e31.py)"
+done
 
-"$python" - <<'PY'
-"""The per-test table: each test id, its result on the stock worker and on e31."""
-import xml.etree.ElementTree as ET
-from pathlib import Path
-
-
-def results(variant: str, file: str) -> dict[str, str]:
-    found = {line.split("::", 1)[1]: "no result (chunk timed out?)"
-             for line in Path(f"results/{variant}/ids").read_text().splitlines() if "::" in line}
-    for report in Path(f"results/{variant}").glob("*.xml"):
-        for case in ET.parse(report).iter("testcase"):
-            classname = case.get("classname", "").split(".")
-            test = "::".join([*classname[1:], case.get("name", "")])  # "test_worker.Class" -> "Class::name"
-            outcome = "passed"
-            for child in case:
-                if child.tag in ("failure", "error", "skipped"):
-                    outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[child.tag]
-                    if child.tag == "error" and "teardown" in (child.get("message") or ""):
-                        outcome = "passed, error at teardown"
-            found[test] = outcome
-    return found
-
-
-control, e31 = results("control", "test_worker.py"), results("e31", "test_worker_e31.py")
-width = max(map(len, control)) if control else 10
-print(f"{'test':<{width}}  {'control':<10}  {'e31':<10}  differs")
-for test in sorted(control.keys() | e31.keys()):
-    a, b = control.get(test, "-"), e31.get(test, "-")
-    print(f"{test:<{width}}  {a:<10}  {b:<10}  {'DIFF' if a != b else ''}")
-differ = sum(control.get(t) != e31.get(t) for t in control.keys() | e31.keys())
-print(f"\n{len(control)} tests; {differ} differ. Logs: {Path('results').resolve()}/<variant>/<chunk>.log")
-PY
+echo "Logs: $scratch/results/<variant>/<chunk>.log" >&2
+exec "$python" "$here/prefect_docker_conformance.py" table "$scratch" "$here/.."

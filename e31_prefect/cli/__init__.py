@@ -7,6 +7,7 @@
     e31 hosts --pool gpu                          # every host: its GPUs, rented to whom or drained, last heartbeat
     e31 drain HOST [GPU] --reason TEXT            # no new run lands there (e31 undrain HOST [GPU] ends it)
     e31 blocks apply blocks/                      # create or update the blocks described in blocks/*.yaml
+    e31 pool migrate docker-gpu gpu --gpus 1 --max-duration 2h   # a DockerWorker pool's deployments, on e31
 
 With no ``PREFECT_API_URL`` set, a local Prefect server is started in the background.
 A job that is not valid exits with status 2 and one line per problem.
@@ -103,6 +104,23 @@ def _parser() -> argparse.ArgumentParser:
         "apply", help="create or update the blocks in YAML files or folders: e31 blocks apply blocks/")
     blocks_apply.add_argument("paths", nargs="+", type=Path, metavar="PATH")
     blocks_apply.set_defaults(handler=_blocks_apply)
+
+    pool = commands.add_parser("pool", help="e31 work pools: one that replaces a DockerWorker pool")
+    pool_actions = pool.add_subparsers(required=True, metavar="ACTION")
+    migrate = pool_actions.add_parser(
+        "migrate", help="move a DockerWorker pool's deployments to an e31 pool that runs them unchanged, as "
+        "container jobs: e31 pool migrate docker-gpu gpu --gpus 1 --max-duration 2h")
+    migrate.add_argument("source", metavar="DOCKER_POOL", help="the DockerWorker pool (--type docker)")
+    migrate.add_argument("target", metavar="E31_POOL", help="the e31 pool, made if it does not exist")
+    template = pool_actions.add_parser(
+        "template", help="print that e31 pool's base job template, for prefect work-pool create --base-job-template")
+    for command in (migrate, template):
+        command.add_argument("--gpus", type=int, required=True, help="GPUs a run that gives no request rents")
+        command.add_argument("--max-duration", required=True, help="its time limit, e.g. 2h")
+        command.add_argument("--gpu-type", help="only devices whose name contains this, e.g. H100")
+    migrate.add_argument("--dry-run", action="store_true", help="say what would move and what not; change nothing")
+    migrate.set_defaults(handler=_pool_migrate)
+    template.set_defaults(handler=_pool_template)
 
     outputs = commands.add_parser("outputs", help="outputs kept on this host because their store was down")
     outputs_actions = outputs.add_subparsers(required=True, metavar="ACTION")
@@ -310,6 +328,47 @@ def _blocks_apply(args: argparse.Namespace) -> int:
     for line in asyncio.run(apply_blocks(documents)):
         print(line)
     return 0
+
+
+def _default_request(args: argparse.Namespace) -> dict[str, Any]:
+    request: dict[str, Any] = {"gpus": args.gpus, "max_duration": args.max_duration}
+    return {**request, "gpu_type": args.gpu_type} if args.gpu_type else request
+
+
+def _pool_template(args: argparse.Namespace) -> int:
+    import json
+
+    from e31_prefect.surface.pool_templates import docker_pool_template
+
+    print(json.dumps(docker_pool_template(_default_request(args)), indent=2))
+    return 0
+
+
+def _pool_migrate(args: argparse.Namespace) -> int:
+    from prefect import get_client
+
+    from e31_prefect.cli import pool_migration
+    from e31_prefect.host.settings import E31Settings
+    from e31_prefect.surface.pool_templates import checked_request
+
+    checked_request(_default_request(args))  # a bad one is named before anything is read
+    _connect()
+
+    async def migrate() -> int:
+        async with get_client() as client:
+            migration = await pool_migration.plan(client, args.source, args.target, _default_request(args),
+                                                  E31Settings().allowed_volumes)
+            print("\n".join(pool_migration.render(migration)))
+            if not args.dry_run:
+                print("\n".join(await pool_migration.apply(client, migration)))
+        staying = [move for move in migration.moves if move.refused is not None]
+        return EXIT_INVALID if staying else 0
+
+    try:
+        return asyncio.run(migrate())
+    except pool_migration.MigrationRefused as exc:
+        print(f"e31 pool migrate: {exc}", file=sys.stderr)
+        return EXIT_INVALID
 
 
 def _outputs_retry(args: argparse.Namespace) -> int:

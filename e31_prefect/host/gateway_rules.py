@@ -2,6 +2,8 @@
 
 Every call the job makes is judged by :func:`refusal` against what it owns (:class:`Owned`), learned from
 the answers with :func:`learn`; events go both ways through :func:`event_from_job` and :func:`event_for_job`.
+Each route also says how big its body may be and what of it the judge reads (:class:`Route`), so the gateway
+holds and builds no more of a body than that (:mod:`e31_prefect.host.gateway_bodies`).
 :mod:`e31_prefect.host.gateway` serves these rules on the job's socket.
 
 Only the standard library: it runs in the supervisor.
@@ -9,11 +11,14 @@ Only the standard library: it runs in the supervisor.
 
 from __future__ import annotations
 
-import json
 import re
+import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from datetime import datetime
+from typing import Any, NamedTuple
 from urllib.parse import unquote
+
+from e31_prefect.host.gateway_bodies import EVERY_KEY, WHOLE, MiB
 
 _ID = r"([0-9a-fA-F-]{36})"
 
@@ -71,13 +76,6 @@ class Owned:
         if flow_run is not None:
             return str(flow_run).lower() in self.flow_runs
         return task_run is not None and str(task_run).lower() in self.task_runs
-
-
-def _body_json(body: bytes) -> Any:
-    try:
-        return json.loads(body) if body else None
-    except ValueError:
-        return None
 
 
 def _always(owned: Owned, ids: tuple[str, ...], body: Any) -> bool:
@@ -231,56 +229,115 @@ def _own_artifact_update(owned: Owned, ids: tuple[str, ...], body: Any) -> bool 
     return f"an artifact's {', '.join(extra)} cannot change (only its data, description, metadata)" if extra else True
 
 
-# (method, path under the API root, check): Prefect's engine's calls for one flow run, and nothing else.
-ROUTES: list[tuple[str, re.Pattern[str], Any]] = [
-    (method, re.compile(pattern), check) for method, pattern, check in [
-        ("GET", r"/health", _always),
-        ("GET", r"/admin/version", _always),
-        ("GET", r"/csrf-token", _always),
-        ("GET", r"/admin/storage", _always),  # where the server keeps results by default (a block's id)
-        ("GET", rf"/flow_runs/{_ID}", _own("flow_runs")),
-        ("PATCH", rf"/flow_runs/{_ID}", _own_run_update),
-        ("PATCH", rf"/flow_runs/{_ID}/labels", _own_run_labels),
-        ("POST", rf"/flow_runs/{_ID}/set_state", _own_run_state),
-        ("GET", rf"/flow_runs/{_ID}/input(?:/[^/]+)?", _own("flow_runs")),
-        ("POST", rf"/flow_runs/{_ID}/input(?:/[^/]+)?", _own("flow_runs")),
-        ("POST", r"/flow_runs/?", _subflow_of_own_task),
-        ("POST", r"/flow_runs/filter", _filter_of_own_runs),
-        ("GET", rf"/deployments/{_ID}", _own("deployments")),
-        ("GET", rf"/work_queues/{_ID}", _own("work_queues")),
-        ("GET", r"/work_pools/([^/]+)", _own("work_pools")),
-        ("GET", rf"/flows/{_ID}", _always),  # a flow is a name; its runs are what is guarded
-        ("POST", r"/flows/?", _always),
-        ("POST", r"/task_runs/?", _task_of_own_flow),
-        ("GET", rf"/task_runs/{_ID}", _own("task_runs")),
-        ("POST", rf"/task_runs/{_ID}/set_state", _own_task_state),
-        ("POST", r"/logs/?", _own_entries),
-        ("POST", r"/artifacts/?", _own_artifact),
-        ("PATCH", rf"/artifacts/{_ID}", _own_artifact_update),
-        ("GET", r"/events/in", _always),  # the events websockets, judged message by message
-        ("GET", r"/events/out", _always),
+# How big a call's body may be: what Prefect's engine sends there, with room to spare. A bigger one is refused
+# (413) before the gateway reads any of it; the gateway holds each body whole while it judges it.
+NO_BODY = 0  # the engine's reads send none
+CALL_BYTES = 1 * MiB  # a run's name and retries, its labels, a filter, a lease: a few kB
+# A subflow's run or a paused run's input: the server takes parameters of up to 512 KiB, written compactly
+# (PREFECT_SERVER_API_MAX_PARAMETER_SIZE). A task run, with one reference per upstream future it waits on.
+RUN_BYTES = 4 * MiB
+# A state: its message carries an exception's text, and the server's refusal of a call quotes the call (1.4 MB
+# for the Failed state of a flow whose subflow had 589 kB of parameters).
+STATE_BYTES = 4 * MiB
+LOGS_BYTES = 8 * MiB  # a batch of logs: the engine sends at most 4,000,000 bytes (PREFECT_LOGGING_TO_API_BATCH_SIZE)
+ARTIFACT_BYTES = 8 * MiB  # an artifact's data (a report, a table): unbounded by Prefect; a bigger one is an output
+
+# What each judge reads of a body (gateway_bodies.read_json): the rest of it is passed over, never built.
+_RUN_STATE_READS = {"state": {"type": WHOLE, "state_details": {"pause_reschedule": WHOLE}}, "force": WHOLE}
+_SUBFLOW_READS = {EVERY_KEY: None, "parent_task_run_id": WHOLE, "idempotency_key": WHOLE, "state": {"type": WHOLE},
+                  "tags": WHOLE}
+_TASK_RUN_READS = {"flow_run_id": WHOLE, "state": {"state_details": {"deferred": WHOLE}}, "tags": WHOLE}
+_ENTRY_READS = {"flow_run_id": WHOLE, "task_run_id": WHOLE}
+
+
+class Route(NamedTuple):
+    """One call a job's flow run may make: its method and path (under the API root), its judge, the biggest
+    body it takes, and what of that body the judge reads."""
+
+    method: str
+    pattern: re.Pattern[str]
+    check: Any
+    cap: int
+    reads: Any
+
+
+# Prefect's engine's calls for one flow run, and nothing else.
+ROUTES: list[Route] = [
+    Route(method, re.compile(pattern), check, cap, reads) for method, pattern, check, cap, reads in [
+        ("GET", r"/health", _always, NO_BODY, None),
+        ("GET", r"/admin/version", _always, NO_BODY, None),
+        ("GET", r"/csrf-token", _always, NO_BODY, None),
+        ("GET", r"/admin/storage", _always, NO_BODY, None),  # where the server keeps results by default (a block's id)
+        ("GET", rf"/flow_runs/{_ID}", _own("flow_runs"), NO_BODY, None),
+        ("PATCH", rf"/flow_runs/{_ID}", _own_run_update, CALL_BYTES, {EVERY_KEY: None, "empirical_policy": WHOLE}),
+        ("PATCH", rf"/flow_runs/{_ID}/labels", _own_run_labels, CALL_BYTES, {EVERY_KEY: None}),
+        ("POST", rf"/flow_runs/{_ID}/set_state", _own_run_state, STATE_BYTES, _RUN_STATE_READS),
+        ("GET", rf"/flow_runs/{_ID}/input(?:/[^/]+)?", _own("flow_runs"), NO_BODY, None),
+        ("POST", rf"/flow_runs/{_ID}/input(?:/[^/]+)?", _own("flow_runs"), RUN_BYTES, None),
+        ("POST", r"/flow_runs/?", _subflow_of_own_task, RUN_BYTES, _SUBFLOW_READS),
+        ("POST", r"/flow_runs/filter", _filter_of_own_runs, CALL_BYTES, WHOLE),
+        ("GET", rf"/deployments/{_ID}", _own("deployments"), NO_BODY, None),
+        ("GET", rf"/work_queues/{_ID}", _own("work_queues"), NO_BODY, None),
+        ("GET", r"/work_pools/([^/]+)", _own("work_pools"), NO_BODY, None),
+        ("GET", rf"/flows/{_ID}", _always, NO_BODY, None),  # a flow is a name; its runs are what is guarded
+        ("POST", r"/flows/?", _always, CALL_BYTES, None),
+        ("POST", r"/task_runs/?", _task_of_own_flow, RUN_BYTES, _TASK_RUN_READS),
+        ("GET", rf"/task_runs/{_ID}", _own("task_runs"), NO_BODY, None),
+        ("POST", rf"/task_runs/{_ID}/set_state", _own_task_state, STATE_BYTES,
+         {"state": {"state_details": {"deferred": WHOLE}}}),
+        ("POST", r"/logs/?", _own_entries, LOGS_BYTES, [_ENTRY_READS]),
+        ("POST", r"/artifacts/?", _own_artifact, ARTIFACT_BYTES, {**_ENTRY_READS, "key": WHOLE}),
+        ("PATCH", rf"/artifacts/{_ID}", _own_artifact_update, ARTIFACT_BYTES, {EVERY_KEY: None}),
+        ("GET", r"/events/in", _always, NO_BODY, None),  # the events websockets, judged message by message
+        ("GET", r"/events/out", _always, NO_BODY, None),
         # A tagged task holds a slot of each of its tags' limits (`tag:NAME`, task_engine.py): never another
         # kind of limit (a team's GPU quota is the worker's), and only the leases it took.
-        ("POST", r"/v2/concurrency_limits/increment-with-lease", _tag_slots),
-        ("POST", rf"/v2/concurrency_limits/leases/{_ID}/renew", _own("leases")),
-        ("POST", r"/v2/concurrency_limits/decrement-with-lease", _own_lease_released),
+        ("POST", r"/v2/concurrency_limits/increment-with-lease", _tag_slots, CALL_BYTES, {"names": WHOLE}),
+        ("POST", rf"/v2/concurrency_limits/leases/{_ID}/renew", _own("leases"), CALL_BYTES, None),
+        ("POST", r"/v2/concurrency_limits/decrement-with-lease", _own_lease_released, CALL_BYTES, {"lease_id": WHOLE}),
     ]
 ]
 
 
+def route_for(method: str, route: str) -> tuple[Route, tuple[str, ...]] | None:
+    """The route a call takes, with the ids in its path (None: no call a job's flow run makes)."""
+    for allowed in ROUTES:
+        matched = allowed.pattern.fullmatch(route)
+        if matched and method == allowed.method:
+            return allowed, tuple(unquote(i).lower() for i in matched.groups())
+    return None
+
+
 def refusal(method: str, route: str, body: Any, owned: Owned) -> str | None:
-    """Why the gateway refuses this call (None: it passes). ``route`` is the path under the API root."""
-    for allowed_method, pattern, check in ROUTES:
-        matched = pattern.fullmatch(route)
-        if matched and method == allowed_method:
-            ids = tuple(unquote(i).lower() for i in matched.groups())
-            verdict = check(owned, ids, body)
-            if verdict is True:
-                return None
-            if isinstance(verdict, str):
-                return f"{method} {route}: {verdict}"
-            return f"{method} {route} touches a run or object that is not this job's own"
-    return f"{method} {route} is not a call a job's own flow run needs"
+    """Why the gateway refuses this call (None: it passes). ``route`` is the path under the API root; ``body``
+    holds at least what the route reads (:attr:`Route.reads`)."""
+    found = route_for(method, route)
+    if found is None:
+        return f"{method} {route} is not a call a job's own flow run needs"
+    verdict = found[0].check(owned, found[1], body)
+    if verdict is True:
+        return None
+    if isinstance(verdict, str):
+        return f"{method} {route}: {verdict}"
+    return f"{method} {route} touches a run or object that is not this job's own"
+
+
+# What :func:`learn` reads of an answer (None: nothing; the answer goes to the job as it comes).
+_CREATED_READS = {"id": WHOLE, "parent_task_run_id": WHOLE, "deployment_id": WHOLE, "work_queue_id": WHOLE,
+                  "work_pool_name": WHOLE, "tags": WHOLE}
+OWN_RUN_READS = {"state": {"type": WHOLE}, "empirical_policy": WHOLE, "run_count": WHOLE}  # the gateway's own read
+
+
+def answer_reads(method: str, route: str) -> Any:
+    """What :func:`learn` reads of this call's answer (None: it learns nothing from it)."""
+    if method == "POST" and route == "/flow_runs/filter":
+        return [{"id": WHOLE}]
+    if route == "/v2/concurrency_limits/increment-with-lease":
+        return {"lease_id": WHOLE}
+    if (method == "POST" and re.fullmatch(r"/(task_runs|flow_runs|artifacts)/?", route)
+            or method == "GET" and re.fullmatch(rf"/flow_runs/{_ID}|/deployments/{_ID}|/work_pools/([^/]+)", route)):
+        return _CREATED_READS
+    return None
 
 
 def learn(method: str, route: str, answer: Any, owned: Owned) -> None:
@@ -388,3 +445,66 @@ def event_for_job(event: Any, owned: Owned) -> bool:
     """Whether an event of a subscription reaches the job: it is about one of the job's own runs."""
     named = _flow_runs_named(event)
     return bool(named) and all(i in owned.flow_runs for i in named)
+
+
+# What the gateway reads of a message a job sends on an events websocket (Prefect's auth message, a subscription's
+# filter, or an event: what its judge and the server's own checks read, not its payload), and of one it receives.
+MESSAGE_READS = {"type": WHOLE, "occurred": WHOLE, "event": WHOLE, "resource": WHOLE, "related": WHOLE,
+                 "payload": {"task_run": {"tags": WHOLE}}, "id": WHOLE, "follows": WHOLE}
+SUBSCRIBED_READS = {"type": WHOLE, "event": {"resource": WHOLE, "related": WHOLE}}
+
+# What Prefect's server checks of an event (prefect.server.events.schemas.events.Event, at its default settings).
+# One it cannot read ends the job's websocket, and leaves about 90 lines of traceback in the server's log.
+MAX_EVENT_NAME = 1024  # PREFECT_SERVER_EVENTS_MAXIMUM_EVENT_NAME_LENGTH
+MAX_LABELS = 500  # PREFECT_SERVER_EVENTS_MAXIMUM_LABELS_PER_RESOURCE
+MAX_RELATED = 100  # PREFECT_SERVER_EVENTS_MAXIMUM_RELATED_RESOURCES
+# A time as the engine writes it, from 1970 on (one near the ends of time would overflow the server's arithmetic).
+_MOMENT = re.compile(r"(19[7-9]\d|2\d{3})-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d{1,6})?(Z|[+-]\d\d:\d\d)")
+
+
+def _moment(value: Any) -> bool:
+    if not isinstance(value, str) or not _MOMENT.fullmatch(value):
+        return False
+    try:
+        datetime.fromisoformat(value)
+    except ValueError:
+        return False
+    return True
+
+
+def _uuid(value: Any) -> bool:
+    try:
+        return isinstance(value, str) and len(value) == 36 and str(uuid.UUID(value)) == value.lower()
+    except ValueError:
+        return False
+
+
+def _labels_refusal(resource: Any, related: bool) -> str | None:
+    where = "a related resource" if related else "an event's resource"
+    if not isinstance(resource, dict) or not all(isinstance(v, str) for v in resource.values()):
+        return f"{where} is an object of text labels"
+    if len(resource) > MAX_LABELS:
+        return f"{where} has at most {MAX_LABELS} labels"
+    if not resource.get("prefect.resource.id") or related and not resource.get("prefect.resource.role"):
+        return f"{where} names its prefect.resource.id{' and prefect.resource.role' if related else ''}"
+    return None
+
+
+def event_shape_refusal(event: Any) -> str | None:
+    """Why Prefect's server could not read this event (None: it can), checked before the event is judged and
+    passed: its name, time, id, resource, related resources and payload, as the server's model has them."""
+    if not isinstance(event, dict):
+        return "an event is an object"
+    name, related = event.get("event"), event.get("related", [])
+    if not isinstance(name, str) or not 0 < len(name) <= MAX_EVENT_NAME:
+        return f"an event's name is text of 1 to {MAX_EVENT_NAME} characters"
+    if not _moment(event.get("occurred")):
+        return "an event's time (occurred) is written as Prefect writes it: 2024-01-31T12:00:00.000000Z"
+    if not _uuid(event.get("id")) or event.get("follows") is not None and not _uuid(event["follows"]):
+        return "an event's id (and follows) is a UUID"
+    if not isinstance(related, list) or len(related) > MAX_RELATED:
+        return f"an event's related resources are a list of at most {MAX_RELATED}"
+    if not isinstance(event.get("payload", {}), dict):
+        return "an event's payload is an object"
+    return next((why for why in (_labels_refusal(event.get("resource"), False),
+                                 *(_labels_refusal(r, True) for r in related)) if why is not None), None)

@@ -136,6 +136,7 @@ class Record:
     unreported: bool = False  # its engine gave up reporting that outcome (the API did not answer): e31 reports it
     stop_reason: str | None = None  # "time-limit", "stop-requested", "report-overdue", "output-bound"
     stop_requested: str | None = None
+    exited: str | None = None  # the work's main process ended (its leftovers then killed)
     ended: str | None = None  # the work's last process is gone
     exit_code: int | None = None
     # "exited", "timed-out", "stopped", "out-of-memory", "not-started", "output-bound", "kept-running" (said

@@ -13,26 +13,36 @@
 - **IPC**: SysV shared memory, semaphores and message queues, and POSIX message queues, of its own.
 - **Hidden**: the host's e31 lock folders (devices, job uids) are an empty read-only folder, so it
   cannot hold the lock of a device it never rented.
+- **Processes**: a PID namespace of its own, with its own ``/proc``: it lists only its own processes
+  (never another job's command line, the worker or its supervisors), and when the namespace's first
+  process (:mod:`e31_prefect.host.job_init`) is killed, the kernel kills every process in it.
 
-Only the standard library: the supervisor enters these in the job's process, before it drops to
-the job's user and runs the job.
+Only the standard library: the supervisor enters these in the job's processes, before they drop to
+the job's user and run the job. The namespace's init enters them (:func:`enter`, :func:`own_proc`); the
+job's process, a second child of the supervisor in the same PID namespace, joins the init's
+(:func:`namespaces_of`, :func:`join`), so the supervisor watches, signals and reaps the job's own process.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import fcntl
 import os
 import socket
 import stat
 import struct
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWNET = 0x00020000, 0x08000000, 0x40000000
+CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWPID, CLONE_NEWNET = 0x00020000, 0x08000000, 0x20000000, 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 0x1, 0x2, 0x4, 0x8
 MS_BIND, MS_REC, MS_PRIVATE = 0x1000, 0x4000, 0x40000
+MNT_DETACH = 0x2
+PROC = Path("/proc")
+# The namespaces a job's process joins beside its PID namespace's init; the mount namespace last (it moves the root).
+JOINED = (("net", CLONE_NEWNET), ("ipc", CLONE_NEWIPC), ("mnt", CLONE_NEWNS))
 MQUEUE = Path("/dev/mqueue")  # POSIX message queues as files: the mounting process's IPC namespace's
 SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
 
@@ -126,6 +136,61 @@ def enter(view: View | None, private_network: bool) -> None:
         if os.path.isdir(folder):
             _mount(libc, "tmpfs", str(folder), "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
                    "mode=555,size=4k")
+
+
+@contextlib.contextmanager
+def own_pids() -> Iterator[None]:
+    """In the supervisor, as root: the processes it forks inside are in a new PID namespace (the first
+    one forked is its init, PID 1); its own later children are in its own again.
+
+    unshare(2) of a PID namespace moves only the caller's later children, so the supervisor's own
+    process, pidfds and exit statuses stay as they were: it sees the job's processes by their host pids.
+    """
+    libc = ctypes.CDLL(None, use_errno=True)
+    own = os.open(PROC / "self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        _unshare(libc, CLONE_NEWPID)
+        try:
+            yield
+        finally:
+            if libc.setns(own, CLONE_NEWPID) != 0:  # else its later forks (a uid's sweep) would land there
+                error = ctypes.get_errno()
+                raise OSError(error, f"setns back to the supervisor's own PID namespace: {os.strerror(error)}")
+    finally:
+        os.close(own)
+
+
+def own_proc() -> None:
+    """In the first process of the job's PID namespace, as root, in the job's mount namespace: a ``/proc``
+    of that namespace (procfs shows the PID namespace of the process that mounts it), the host's gone."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.umount2(str(PROC).encode(), MNT_DETACH)  # the host's /proc and what is mounted in it; none is fine
+    _mount(libc, "proc", str(PROC), "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+
+
+def namespaces_of(pid: int) -> list[tuple[int, int]]:
+    """Handles on a process's network, IPC and mount namespaces (close-on-exec), for :func:`join`."""
+    handles: list[tuple[int, int]] = []
+    try:
+        for name, flag in JOINED:
+            handles.append((os.open(PROC / str(pid) / "ns" / name, os.O_RDONLY | os.O_CLOEXEC), flag))
+    except OSError:
+        for handle, _ in handles:
+            os.close(handle)
+        raise
+    return handles
+
+
+def join(namespaces: list[tuple[int, int]], cwd: str | None) -> None:
+    """In a job's process, as root: into the namespaces of :func:`namespaces_of`, then its working folder as
+    the job's view shows it (joining a mount namespace moves the root and working folder to its root)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    here = cwd or os.getcwd()
+    for handle, flag in namespaces:
+        if libc.setns(handle, flag) != 0:
+            error = ctypes.get_errno()
+            raise OSError(error, f"setns({flag:#x}) failed: {os.strerror(error)}")
+    os.chdir(here)
 
 
 def _unshare(libc: ctypes.CDLL, flags: int) -> None:

@@ -10,14 +10,16 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Protocol
 
-from e31_prefect.host import cgroups, job_users, leftovers, sandbox
+from e31_prefect.host import cgroups, job_init, job_users, leftovers, sandbox
 from e31_prefect.host.device_fence import DeviceFence
 from e31_prefect.host.ledger import Record, RunFolder, Spec, now
 
@@ -88,23 +90,72 @@ class ProcessWork:
         view = sandbox.plan_view(map(Path, self.spec.job_view), temps=temps, hides=map(Path, self.spec.job_hidden),
                                  temp_bytes=self.spec.job_temp_bytes) if self.spec.job_view else None
 
-        def before_exec() -> None:  # as root, in the child: its cgroup, its namespaces, then its user
-            if files:
-                cgroups.join(files)
-            sandbox.enter(view, private)
+        def become_job_user() -> None:
             if uid is not None:
                 os.setgroups([])
                 os.setgid(uid)
                 os.setuid(uid)
                 leftovers.own_session_keyring()
 
-        with open(self.log, "ab") as out:
-            self.process = subprocess.Popen(
-                self.spec.argv, env=self.spec.env, cwd=self.spec.cwd, stdin=subprocess.DEVNULL,
-                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                preexec_fn=before_exec if files or private or view or uid is not None else None)
+        def before_exec() -> None:  # as root, in the child: its cgroup, its namespaces, then its user
+            if files:
+                cgroups.join(files)
+            sandbox.enter(view, private)
+            become_job_user()
+
+        def init_before_exec() -> None:  # the same, and the PID namespace's own /proc, mounted as root
+            if files:
+                cgroups.join(files)
+            sandbox.enter(view, private)
+            sandbox.own_proc()
+            os.chdir("/")  # no handle on a host folder under the view's covers, for the job's user to follow
+            become_job_user()
+
+        if view is None:  # no root to give it namespaces of its own (E31_JOB_USERS=worker): as it always was
+            self.process = self._popen(self.spec.argv, self.spec.env, self.spec.cwd,
+                                       before_exec if files or private or uid is not None else None)
+        else:
+            self.process = self._start_beside_init(init_before_exec, files, become_job_user)
         self._pidfd = os.pidfd_open(self.process.pid)
         return str(self.process.pid)
+
+    def _start_beside_init(self, init_before_exec: Callable[[], None], files: list[Path],
+                           become_job_user: Callable[[], None]) -> subprocess.Popen[bytes]:
+        """The job's process in a PID namespace of its own, beside the namespace's init (returned: the job's).
+
+        The init is forked first, so it is PID 1: it enters the job's cgroup and namespaces, mounts the
+        namespace's /proc, becomes the job's user and execs :mod:`e31_prefect.host.job_init`, which reaps
+        the job's orphans. The job's process is forked next into the same PID namespace and joins the
+        init's other namespaces. It stays this supervisor's child: its pidfd, its exit status and the
+        signals it is sent are as they were. Both exec before anything of the job runs, so no process the
+        job's user can reach holds the supervisor's memory (its Prefect API key).
+        """
+        with sandbox.own_pids():
+            init = self._popen([sys.executable, "-I", "-S", job_init.__file__], {}, "/", init_before_exec)
+            try:
+                namespaces = sandbox.namespaces_of(init.pid)
+                try:
+                    def before_exec() -> None:  # as root, in the child: its cgroup, the init's namespaces, its user
+                        if files:
+                            cgroups.join(files)
+                        sandbox.join(namespaces, self.spec.cwd)
+                        become_job_user()
+
+                    return self._popen(self.spec.argv, self.spec.env, self.spec.cwd, before_exec)
+                finally:
+                    for handle, _ in namespaces:
+                        os.close(handle)
+            except BaseException:
+                init.kill()  # the namespace goes with it
+                init.wait()
+                raise
+
+    def _popen(self, argv: list[str], env: dict[str, str], cwd: str | None,
+               before_exec: Callable[[], None] | None) -> subprocess.Popen[bytes]:
+        """A child in a session of its own, its output in the run's log."""
+        with open(self.log, "ab") as out:
+            return subprocess.Popen(argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=out,
+                                    stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=before_exec)
 
     def _job_uid(self, world_writable: list[Path]) -> int | None:
         """The uid of the job's own (held by this supervisor until it exits), its folders handed over, and
@@ -156,7 +207,10 @@ class ProcessWork:
             for pid in left:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(pid, signal.SIGKILL)
-            reap(but=None if self._exit else main)  # the main process's status is the run's exit code
+            # The main process's status is the run's exit code: kept as it is reaped, at once, since the init of
+            # its PID namespace, killed beside it, ends only once it is.
+            self.ended()
+            reap(but=None if self._exit else main)
             time.sleep(0.01)
 
     def stop_all(self) -> datetime:
@@ -310,7 +364,7 @@ def _descendants(root: int) -> set[int]:
             stat = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
         except (OSError, IndexError):
             continue
-        if stat[0] not in ("Z", "X"):
+        if stat[0] not in ("Z", "X") or _threads_live(entry):
             children.setdefault(int(stat[1]), []).append(int(entry))
     found: set[int] = set()
     stack = [root]
@@ -320,6 +374,16 @@ def _descendants(root: int) -> set[int]:
                 found.add(child)
                 stack.append(child)
     return found
+
+
+def _threads_live(pid: str) -> bool:
+    """Whether a process /proc shows as a zombie still has live threads: its main thread exited while others
+    work on (a cgroup's kill misses them; a SIGKILL to the process ends them all)."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            return any(line.startswith("Threads:") and int(line.split()[1]) > 1 for line in status)
+    except (OSError, ValueError):
+        return False
 
 
 def reap(but: int | None = None) -> None:

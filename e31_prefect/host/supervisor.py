@@ -170,7 +170,9 @@ class Supervisor:
             if not self._hand_over(pipe, gate):
                 self._never_handed_over()
                 return 0
-            exit_ = self._supervise(pipe)
+            # The work's end is recorded (and its devices freed) before its gateway stops serving: stopping
+            # it waits out the server's poll (half a second).
+            self._finish(self._supervise(pipe))
         except BaseException:
             # Whatever broke the watch (a job that used up the supervisor's descriptors, say), the work does
             # not outlive it: every process of it goes before the supervisor, and its device locks, do.
@@ -182,7 +184,6 @@ class Supervisor:
                 gateway.close()
             if self.beating is not None:
                 self.beating.stop.set()
-        self._finish(exit_)
         return 0
 
     def _hand_over(self, pipe: int, gate: int) -> bool:
@@ -350,6 +351,7 @@ class Supervisor:
         # Whatever the work left behind goes with it (daemons, children of a dead leader); the devices are
         # back, and the meter stops, when its last process is gone. The record says so at once (the worker
         # takes the devices back from it); the slower sweep of what the work left on the host comes after.
+        self.record.exited = exit_.at.isoformat()
         self.record.ended = self.work.stop_all().isoformat()
         self.record.exit_code = exit_.code
         fenced = fenced_at(self.folder.path)

@@ -485,6 +485,12 @@ def parse_job(data: Any, source: str | None = None) -> Job:
         raise JobError(problems_from(exc), source) from None
 
 
+# A missing field whose fix is more than adding it: what to write.
+REQUIRED_FIXES = {
+    "request": "is required: say what the job rents and for how long, e.g. request: {gpus: 1, max_duration: 2h}",
+}
+
+
 def problems_from(exc: ValidationError) -> list[Problem]:
     """Turn pydantic's errors into problems that name the job file's own field names."""
     problems: list[Problem] = []
@@ -498,7 +504,7 @@ def problems_from(exc: ValidationError) -> list[Problem]:
         if error["type"] == "extra_forbidden":
             message = "is not a job field" + _suggestion(loc)
         elif error["type"] == "missing":
-            problems.append(Problem(field, MISSING, "is required"))
+            problems.append(Problem(field, MISSING, REQUIRED_FIXES.get(field, "is required")))
             continue
         problems.append(Problem(field, error.get("input"), message))
     return problems

@@ -55,8 +55,8 @@ GpuRequests = Literal["auto", "on", "off"]
 
 # prefect-docker's job variables as they work on an e31 pool: the pool's form shows these words.
 DOCKER_SETTINGS = {
-    "image": "Not set here: a job's image is its work.image (a job without one runs as a local process). "
-             "Set, it is refused.",
+    "image": "The job's container image, as in prefect-docker: the same as work.image, which is the image where "
+             "both are given. A job with neither runs as a local process.",
     "registry_credentials": "A DockerRegistryCredentials block: the worker logs in with it to pull a job's image.",
     "image_pull_policy": "For jobs with an image: when the worker pulls it (IfNotPresent for tagged images).",
     "networks": "Docker networks job containers join (instead of the network mode); not host.",
@@ -92,7 +92,6 @@ def setting_problems(settings: dict[str, Any], allowed_volumes: Sequence[Path]) 
     problems = []
     refused = {
         "command": (None, "e31 runs Prefect's engine itself; give the job's work as work.flow or work.command"),
-        "image": (None, "a job's image is its work.image"),
         "mem_limit": (None, "use request.memory (a limit with no swap)"),
         "memswap_limit": (None, "use request.memory (a limit with no swap)"),
         "privileged": (False, "job containers never run privileged"),

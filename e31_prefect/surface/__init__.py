@@ -5,7 +5,8 @@ backlog reading :mod:`.worker_backlog`), the life of one job (:mod:`.life`, :mod
 :mod:`.life_watch`, :mod:`.life_sending`), reports as events, states, tags and artifacts
 (:mod:`.reporting`, :mod:`.plan_artifact`), the run states it watches (:mod:`.run_states`), pool and
 team quotas (:mod:`.quotas`), the published inventories (:mod:`.inventories`), the spool of outputs
-not sent (:mod:`.spool`), submissions (:mod:`.submission`) and the ``@e31`` decorator (:mod:`.decorators`).
+not sent (:mod:`.spool`), submissions (:mod:`.submission`), the ``@e31`` decorator (:mod:`.decorators`)
+and the template of a pool that replaces a DockerWorker pool (:mod:`.pool_templates`).
 
 May import: itself and every part below it (:mod:`e31_prefect.flows`, :mod:`e31_prefect.runtimes`,
 :mod:`e31_prefect.planning`, :mod:`e31_prefect.data`, :mod:`e31_prefect.host`, :mod:`e31_prefect.model`;

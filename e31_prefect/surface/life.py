@@ -53,7 +53,6 @@ from e31_prefect.host.supervision import Supervisor
 from e31_prefect.model import endings, shards, timing
 from e31_prefect.model.endings import Ending
 from e31_prefect.model.job import Job
-from e31_prefect.model.job_values import JobError
 from e31_prefect.model.meter import Meter
 from e31_prefect.runtimes import Placement, Runtime, hand_over_environment
 from e31_prefect.surface import quotas, reporting
@@ -65,6 +64,8 @@ from e31_prefect.surface.life_terms import (
     LifeConfiguration,
     LifeWorker,
     Rental,
+    RunRefused,
+    admitted,
     infrastructure_id,
     never_ready,
     scheduled_start,
@@ -223,9 +224,11 @@ class JobLife(Adoption, Attempts, Sending, Watching):
         """The valid job, if it can still meet its deadline; else the run is refused (nothing rented)."""
         assert self.configuration is not None
         try:
-            job = self.configuration.job()
+            job, unused = admitted(self.configuration, self.worker.settings.allowed_volumes)
             team = quotas.team_by_queue(self.worker.settings.queue_teams, self.flow_run.work_queue_name, job.team)
-        except (JobError, ValueError) as exc:
+        except RunRefused as exc:  # every problem of the run at once: its job's and its settings'
+            raise Ends(endings.INVALID_JOB.saying(str(exc))) from None
+        except ValueError as exc:
             raise Ends(endings.INVALID_JOB.saying("The job is not valid:\n" + str(exc))) from None
         job = job.model_copy(update={"team": team})
         unshardable = shards.entrypoint_problem(job.work.shards, getattr(self.configuration, "entrypoint", None),
@@ -234,16 +237,8 @@ class JobLife(Adoption, Attempts, Sending, Watching):
             raise Ends(endings.INVALID_JOB.saying("The job is not valid:\n" + unshardable))
         self.job_name = job.name
         self.meter.gpus, self.meter.team = job.request.gpus, job.team
-        refused = self.configuration.setting_problems(self.worker.settings.allowed_volumes)
-        # Only a container's, but for the command and the environment, which every runtime would replace.
-        unused = [] if job.work.image else [p for p in refused
-                                            if p.field != "command" and not p.field.startswith("env.")]
         if unused:
             self.log.warning("Container settings a process job does not use: %s", "; ".join(map(str, unused)))
-        refused = [problem for problem in refused if problem not in unused]
-        if refused:
-            raise Ends(endings.INVALID_JOB.saying("The run's worker settings are not valid:\n"
-                                                  + "\n".join(map(str, refused))))
         try:
             pool = {name: getattr(self.configuration, name, None)
                     for name in ("default_disk", "max_output_files", "output_send_seconds")}

@@ -183,3 +183,45 @@ class LifeConfiguration(Protocol):
     def job(self) -> Job: ...
 
     def setting_problems(self, allowed_volumes: list[Path]) -> list[Problem]: ...
+
+
+# Refused whatever the runtime: the command and the environment, which a process job would replace too.
+REFUSED_IN_EITHER_RUNTIME = ("command",)
+
+
+class RunRefused(ValueError):
+    """A run that cannot start as it was given: every problem of its job and every refused setting, at once."""
+
+    def __init__(self, job_problems: str | None, refused: list[Problem]):
+        self.refused = refused
+        parts = ["The job is not valid:\n" + job_problems] if job_problems else []
+        if refused:
+            parts.append("The run's worker settings are not valid:\n" + "\n".join(map(str, refused)))
+        super().__init__("\n".join(parts))
+
+
+def admitted(configuration: LifeConfiguration, allowed_volumes: list[Path]) -> tuple[Job, list[Problem]]:
+    """The run's valid job, and the container settings it leaves unused (a process job's, to warn of).
+
+    Raises :class:`RunRefused` naming every problem of the run in one message: its job's fields and the
+    settings an e31 pool refuses, so that a user fixes them all in one round trip, not one per run.
+    """
+    settings = configuration.setting_problems(allowed_volumes)
+    try:
+        job = configuration.job()
+    except ValueError as exc:  # a JobError names each bad field
+        work = getattr(configuration, "work", None)  # the raw values: is it a container job, as given?
+        image = getattr(configuration, "image", None) or (isinstance(work, dict) and work.get("image"))
+        raise RunRefused(str(exc), _refused(settings, bool(image))) from None
+    refused = _refused(settings, bool(job.work.image))
+    if refused:
+        raise RunRefused(None, refused)
+    return job, [problem for problem in settings if problem not in refused]
+
+
+def _refused(problems: list[Problem], container: bool) -> list[Problem]:
+    """The settings problems a run's runtime refuses: all of a container's; of a local process, those it would
+    replace (the rest it leaves unused)."""
+    if container:
+        return problems
+    return [p for p in problems if p.field in REFUSED_IN_EITHER_RUNTIME or p.field.startswith("env.")]

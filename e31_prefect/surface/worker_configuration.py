@@ -21,7 +21,7 @@ from e31_prefect.flows.flow_shards import FLOW_SHARDS_ENTRYPOINT
 from e31_prefect.host import output_bounds
 from e31_prefect.model.job import Job
 from e31_prefect.model.job_file import anchor, code_root
-from e31_prefect.model.job_values import JOB_VARIABLE_KEYS, Problem, job_name
+from e31_prefect.model.job_values import JOB_VARIABLE_KEYS, MISSING, JobError, Problem, job_name
 from e31_prefect.runtimes import SET_FOR_THE_RUN
 from e31_prefect.runtimes import container as containers
 
@@ -29,6 +29,14 @@ if TYPE_CHECKING:
     from prefect.client.schemas.objects import Flow as APIFlow
     from prefect.client.schemas.objects import WorkPool
     from prefect.client.schemas.responses import DeploymentResponse
+
+
+REQUEST_MISSING = Problem("request", MISSING, (
+    "is required: a run says what it rents and for how long. Give it as a job variable of the deployment "
+    "(prefect.yaml: job_variables: {request: {gpus: 1, max_duration: 2h}}) or of the run "
+    "(prefect deployment run NAME --job-variable 'request={\"gpus\": 1, \"max_duration\": \"2h\"}'), or give "
+    "the pool a default request for every run that sets none (e31 pool migrate, or "
+    "variables.properties.request.default in its base job template)"))
 
 
 def _job_fields(raw: bool) -> dict[str, Any]:
@@ -102,7 +110,8 @@ class _Configuration(DockerWorkerJobConfiguration):
     """One flow run's job as the worker receives it: raw job variables, validated in :meth:`job`."""
 
     gpu_device_requests: containers.GpuRequests = Field(default="auto")
-    image: str | None = Field(default=None)  # a job's image is its work.image; no default is computed
+    # prefect-docker's image variable: the job's image where its work gives none. No default is computed.
+    image: str | None = Field(default=None)
     # The pool's bounds on outputs, raw: a bad value fails its run naming it (output_bounds.bounds_for).
     default_disk: Any = Field(default=None)
     max_output_files: Any = Field(default=None)
@@ -187,11 +196,20 @@ class _Configuration(DockerWorkerJobConfiguration):
         return self._shards_start
 
     def job(self, name: str | None = None) -> Job:
-        """The validated job; raises :class:`JobError` naming each bad field.
+        """The validated job; raises :class:`JobError` naming each bad field. Its image is its ``work.image``,
+        else the run's ``image`` (prefect-docker's variable, so that a prefect-docker deployment runs as it is).
 
         Relative local paths (as a hand-written deployment may give) are read from the deployment's folder.
         """
-        job = Job.from_job_variables({k: getattr(self, k) for k in JOB_VARIABLE_KEYS}, name=name or self._job_name)
+        values = {k: getattr(self, k) for k in JOB_VARIABLE_KEYS}
+        work = values["work"]
+        if self.image and (work is None or isinstance(work, dict) and not work.get("image")):
+            values["work"] = {**(work or {}), "image": self.image}  # a prefect-docker deployment's image
+        try:
+            job = Job.from_job_variables(values, name=name or self._job_name)
+        except JobError as exc:  # a run's request comes from its job variables or its pool: say so
+            raise JobError([REQUEST_MISSING if (p.field, p.value) == ("request", MISSING) else p
+                            for p in exc.problems], exc.source) from None
         return anchor(job, self._code_folder) if self._code_folder else job
 
     def setting_problems(self, allowed_volumes: list[Path]) -> list[Problem]:

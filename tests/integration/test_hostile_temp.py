@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import json
 import os
 import shutil
+import signal
 import subprocess
+import time
 import uuid
 from pathlib import Path
 
@@ -98,13 +101,20 @@ def look(folders: list[str], key: int) -> None:
 """
 
 SEE = """
-import json, os
+import fcntl, json, os
 from pathlib import Path
 from prefect import flow
 
 @flow
-def see(pid: int) -> None:
-    seen = {"planted_alive": os.path.exists(f"/proc/{pid}") and "zombie" not in Path(f"/proc/{pid}/status").read_text()}
+def see(lock: str) -> None:
+    # A process of the host holds this lock while it lives: a job sees no process of the host in its own /proc,
+    # but a lock is the kernel's, whatever the namespace.
+    fd = os.open(lock, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        seen = {"planted_alive": False}
+    except BlockingIOError:
+        seen = {"planted_alive": True}
     Path(os.environ["E31_OUTPUT_DIR"], "seen.json").write_text(json.dumps(seen))
 """
 
@@ -169,6 +179,18 @@ def owned_on_host(folders: list[str]) -> list[str]:
     """What the tests' job uid owns in these host folders (not in the job's view: in the tests' own)."""
     return [entry.path for folder in folders for entry in os.scandir(folder)
             if entry.stat(follow_symlinks=False).st_uid == UID]
+
+
+def held_by_another(lock: Path) -> bool:
+    """Whether another process holds a flock on this file."""
+    fd = os.open(lock, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
 
 
 def processes_of_uid() -> list[int]:
@@ -238,17 +260,27 @@ def test_a_job_cannot_hold_the_lock_of_a_device_it_never_rented(prefect_server, 
 
 def test_what_a_killed_supervisor_left_of_its_uid_is_gone_before_the_uid_is_handed_out(
         prefect_server, tmp_path, pool, nothing_of_the_uid_left):
-    # As a run whose supervisor was killed outright leaves its uid: a process still running as it, and a
-    # 0600 file of it in the host's /tmp.
-    planted = subprocess.Popen(["sleep", "600"], user=UID, group=UID, extra_groups=[], start_new_session=True)
+    # As a run whose supervisor was killed outright leaves its uid: a process still running as it (holding a
+    # lock while it lives, in a folder the job sees), and a 0600 file of it in the host's /tmp.
+    folder = Path(f"/var/lib/e31-tests-{uuid.uuid4().hex[:8]}")
+    folder.mkdir(mode=0o755)
+    lock = folder / "planted.lock"
+    lock.touch(mode=0o644)
+    planted = subprocess.Popen(["flock", str(lock), "sleep", "600"], user=UID, group=UID, extra_groups=[],
+                               start_new_session=True)
+    while held_by_another(lock) is False:
+        assert planted.poll() is None, "flock never took the lock"
+        time.sleep(0.05)
     secret = Path("/tmp/e31-secret")
     secret.write_text("the-secret")
     secret.chmod(0o600)
     os.chown(secret, UID, UID)
     try:
-        seen = run(tmp_path, "after-kill", SEE, "see", {"pid": planted.pid}, pool)
+        seen = run(tmp_path, "after-kill", SEE, "see", {"lock": str(lock)}, pool)
     finally:
-        planted.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(planted.pid, signal.SIGKILL)
         planted.wait()
+        shutil.rmtree(folder, ignore_errors=True)
     assert not seen["planted_alive"], "the uid's process was killed before the job got the uid"
     assert owned_on_host(list(HOST_TEMP)) == []

@@ -232,6 +232,30 @@ atexit.register(work)
         assert record.ending == "kept-running"
 
 
+@pytest.mark.parametrize("use_cgroups", [True, False], ids=["cgroup", "subreaper"])
+def test_a_process_whose_main_thread_left_is_killed_and_billed_until_it_is_gone(tmp_path, use_cgroups):
+    """A child whose main thread exited while another thread works on reads as a zombie in /proc, and a
+    cgroup's kill misses its live thread: it is still the job's, killed at the end and billed until then."""
+    script = SAY_COMPLETED + """
+import ctypes, signal, sys, threading, time
+if os.fork() == 0:
+    os.setsid(); signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    def work():
+        while True:
+            {ALIVE}
+    threading.Thread(target=work).start()
+    ctypes.CDLL(None).pthread_exit(None)
+time.sleep(0.5)
+""".replace("{ALIVE}", ALIVE)
+    alive = tmp_path / "alive"
+    folder = tmp_path / f"half-gone-{uuid4().hex[:8]}"  # a cgroup name no other test shares
+    record = finished(folder, start(folder, script, str(alive), seconds=3600, cgroups=use_cgroups), timeout=60)
+    moments = [float(line) for line in alive.read_text().splitlines() if line.count(".") == 1]
+    assert datetime.fromtimestamp(max(moments), tz=timezone.utc) <= datetime.fromisoformat(record.ended)
+    time.sleep(0.5)
+    assert float(alive.read_text().splitlines()[-1]) == max(moments), "it wrote on after the run ended"
+
+
 def test_the_devices_stay_rented_until_the_supervisor_ends(tmp_path):
     locks = tmp_path / "locks"
     worker, other = Inventory([Device(0, "H100")], locks), Inventory([Device(0, "H100")], locks)

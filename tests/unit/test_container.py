@@ -112,7 +112,8 @@ def test_each_refused_docker_setting_is_named_with_the_e31_way_instead(tmp_path:
                                             "pid_mode": "host"},
                 "volumes": ["/etc:/host-etc", "named-volume:/data"]}
     problems = {p.field: str(p) for p in container.setting_problems(settings, [tmp_path])}
-    assert set(problems) == {"command", "image", "mem_limit", "memswap_limit", "privileged", "auto_remove",
+    # Not the image: prefect-docker's image is the job's image (tests/unit/test_pool_template.py).
+    assert set(problems) == {"command", "mem_limit", "memswap_limit", "privileged", "auto_remove",
                              "container_create_kwargs.ipc_mode", "container_create_kwargs.cap_add",
                              "container_create_kwargs.pid_mode", "volumes"}
     assert "use request.memory" in problems["mem_limit"]

@@ -2,17 +2,38 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import threading
+import tracemalloc
+from copy import deepcopy
 from uuid import uuid4
 
 import pytest
 
 from e31_prefect.host import gateway
-from e31_prefect.host.gateway_rules import Owned, event_for_job, event_from_job, learn, refusal
+from e31_prefect.host.gateway_bodies import KEPT_BYTES, WHOLE, BodyRefused, Budget, read_json
+from e31_prefect.host.gateway_rules import (
+    MESSAGE_READS,
+    Owned,
+    event_for_job,
+    event_from_job,
+    learn,
+    refusal,
+    route_for,
+)
 from e31_prefect.host.sandbox import View, plan_view
-from e31_prefect.host.websocket_frames import CLOSE, TEXT, Frame, FrameError, encode, read_frame
+from e31_prefect.host.websocket_frames import (
+    CLOSE,
+    MAX_MESSAGE_BYTES,
+    TEXT,
+    Frame,
+    FrameError,
+    encode,
+    read_frame,
+    valid_close,
+)
 
 # Fixed ids: the cases below are parameters, and parallel test processes must collect the same ones.
 RUN, OTHER, TASK = "28f7dc00-2d45-4dfd-a501-64c8a03c143f", "43835668-28ca-4623-ab0f-9b7619d5d5a5", \
@@ -23,7 +44,14 @@ def owned() -> Owned:
     return Owned(flow_runs={RUN}, task_runs={TASK})
 
 
-@pytest.mark.parametrize(("method", "route", "body"), [
+def judge() -> gateway.Gateway:
+    """A gateway with no socket: its judgement of calls and messages only."""
+    made = gateway.Gateway.__new__(gateway.Gateway)
+    made.token, made.owned, made.refused, made.refusals = None, owned(), [], 0
+    return made
+
+
+PASSING = [
     ("GET", "/health", None),
     ("GET", "/admin/version", None),
     ("GET", f"/flow_runs/{RUN}", None),
@@ -38,12 +66,15 @@ def owned() -> Owned:
     ("POST", "/logs/", [{"flow_run_id": RUN, "task_run_id": str(uuid4()), "message": "from a task"}]),
     ("POST", "/artifacts/", {"flow_run_id": RUN, "key": "k", "data": "x"}),
     ("GET", "/events/in", None),
-])
+]
+
+
+@pytest.mark.parametrize(("method", "route", "body"), PASSING)
 def test_the_calls_of_its_own_flow_run_pass(method, route, body):
     assert refusal(method, route, body, owned()) is None
 
 
-@pytest.mark.parametrize(("method", "route", "body", "why"), [
+REFUSED = [
     ("POST", "/block_documents/filter", {"include_secrets": True}, "not a call"),
     ("GET", f"/block_documents/{RUN}", None, "not a call"),
     ("GET", "/block_types/slug/secret/block_documents/name/x", None, "not a call"),
@@ -66,7 +97,10 @@ def test_the_calls_of_its_own_flow_run_pass(method, route, body):
     ("POST", "/logs/", [], "not this job's own"),
     ("POST", "/artifacts/", {"key": "no-run"}, "not this job's own"),
     ("GET", "/deployments/44d43d78-2225-4b4b-9f71-4dcc207e279a", None, "not this job's own"),
-])
+]
+
+
+@pytest.mark.parametrize(("method", "route", "body", "why"), REFUSED)
 def test_everything_else_is_refused_saying_why(method, route, body, why):
     assert why in (refusal(method, route, body, owned()) or "passed")
 
@@ -113,15 +147,63 @@ def test_a_subscription_brings_the_job_only_its_own_runs_events():
 
 
 def test_the_gateway_gives_the_auth_message_the_workers_token_and_drops_forged_events():
-    door = gateway.Gateway.__new__(gateway.Gateway)
-    door.token, door.owned, door.refused = "the-worker-token", owned(), []
-    assert json.loads(door.from_job("/events/in", '{"type": "auth", "token": null}')) == {
+    door = judge()
+    door.token = "the-worker-token"
+    assert json.loads(door.from_job("/events/in", '{"type": "auth", "token": null}', 0)) == {
         "type": "auth", "token": "the-worker-token"}
-    forged = json.dumps({"resource": {"prefect.resource.id": f"prefect.flow-run.{OTHER}"}})
-    assert door.from_job("/events/in", forged) is None and door.refused
+    forged = json.dumps({**EVENT, "resource": {"prefect.resource.id": f"prefect.flow-run.{OTHER}"}})
+    assert door.from_job("/events/in", forged, 1) is None and door.refused
+    own = json.dumps(EVENT)
+    assert door.from_job("/events/in", own, 1) == own
     other = json.dumps({"type": "event", "event": json.loads(forged)})
     assert door.to_job("/events/out", other) is None
     assert door.to_job("/events/out", '{"type": "auth_success"}') == '{"type": "auth_success"}'
+
+
+# An event as Prefect's engine sends it: what the server's model needs, about the job's own run.
+EVENT = {"occurred": "2026-01-31T12:00:00.123456Z", "event": "model.saved",
+         "resource": {"prefect.resource.id": f"prefect.flow-run.{RUN}"}, "related": [], "payload": {},
+         "id": "01a24e4c-1479-7664-9531-cd41d645dbaf", "follows": None}
+
+
+@pytest.mark.parametrize(("message", "why"), [
+    ({**EVENT, "id": None}, "UUID"),
+    ({k: v for k, v in EVENT.items() if k != "id"}, "UUID"),
+    ({**EVENT, "follows": "not-a-uuid"}, "UUID"),
+    ({k: v for k, v in EVENT.items() if k != "occurred"}, "occurred"),
+    ({**EVENT, "occurred": "2026-13-31T12:00:00Z"}, "occurred"),
+    ({**EVENT, "occurred": 1769860800}, "occurred"),
+    ({**EVENT, "occurred": "9999-12-31T23:59:59-23:00"}, "occurred"),
+    ({**EVENT, "event": ""}, "name"),
+    ({**EVENT, "event": "x" * 1025}, "name"),
+    ({**EVENT, "resource": {"prefect.resource.name": "no id"}}, "prefect.resource.id"),
+    ({**EVENT, "resource": {"prefect.resource.id": f"prefect.flow-run.{RUN}", "count": 1}}, "text labels"),
+    ({**EVENT, "related": [{"prefect.resource.id": f"prefect.flow-run.{RUN}"}]}, "prefect.resource.role"),
+    ({**EVENT, "related": None}, "related"),
+    ({**EVENT, "related": [{"prefect.resource.id": f"prefect.flow-run.{RUN}", "prefect.resource.role": "flow-run"}]
+      * 101}, "at most 100"),
+    ({**EVENT, "payload": None}, "payload"),
+    ({**EVENT, "payload": [1, 2]}, "payload"),
+    ({"type": "auth", "token": None}, "auth message comes first, once"),
+    ([EVENT], "an event is an object"),
+])
+def test_an_event_the_server_could_not_read_never_reaches_it(message, why):
+    """Each would end the job's websocket with about 90 lines of traceback in the server's log."""
+    door = judge()
+    assert door.from_job("/events/in", json.dumps(message), 1) is None
+    assert why in door.refused[-1]
+    assert door.from_job("/events/in", json.dumps(EVENT), 1) is not None
+
+
+def test_an_events_websocket_takes_the_auth_message_first_and_a_subscription_one_filter():
+    door = judge()
+    auth, subscribe = '{"type": "auth", "token": null}', '{"type": "filter", "filter": {}}'
+    assert door.from_job("/events/in", json.dumps(EVENT), 0) is None  # the server would read it as the auth
+    assert door.from_job("/events/out", subscribe, 0) is None
+    assert door.from_job("/events/out", subscribe, 1) == subscribe
+    assert door.from_job("/events/out", subscribe, 2) is None
+    assert door.from_job("/events/out", auth, 2) is None
+    assert door.from_job("/events/in", b"\xff\xfe not json", 1) is None
 
 
 def test_auth_header_carries_a_key_or_an_auth_string():
@@ -133,7 +215,7 @@ def test_auth_header_carries_a_key_or_an_auth_string():
 @pytest.mark.parametrize("size", [0, 5, 125, 126, 65535, 65536, 200_000])
 @pytest.mark.parametrize("masked", [True, False])
 def test_frames_round_trip_masked_or_not(size, masked):
-    frame = Frame(TEXT, bytes(range(256)) * (size // 256) + b"x" * (size % 256))
+    frame = Frame(TEXT, ("x" * (size - 9) + "é€😀").encode() if size >= 9 else b"x" * size)
     assert read_frame(io.BytesIO(encode(frame, masked))) == frame
 
 
@@ -185,7 +267,7 @@ SUBFLOW = {"flow_id": str(uuid4()), "name": "child", "parameters": {}, "context"
            "empirical_policy": {"retries": 0, "retry_delay": 0}}
 
 
-@pytest.mark.parametrize(("body", "why"), [
+SUBFLOWS = [
     ({**SUBFLOW, "deployment_id": DEPLOYMENT}, "deployment_id"),
     ({**SUBFLOW, "work_pool_name": "gpu", "work_queue_name": "default"}, "work_pool_name, work_queue_name"),
     ({**SUBFLOW, "job_variables": {"team": "research"}}, "job_variables"),
@@ -194,7 +276,10 @@ SUBFLOW = {"flow_id": str(uuid4()), "name": "child", "parameters": {}, "context"
     ({**SUBFLOW, "state": {"type": "RUNNING"}}, "'RUNNING'"),
     ({**SUBFLOW, "tags": ["e31:billed-s=0"]}, "e31:billed-s=0"),
     ({**SUBFLOW, "tags": ["E31:team=research"]}, "E31:team=research"),
-])
+]
+
+
+@pytest.mark.parametrize(("body", "why"), SUBFLOWS)
 def test_a_job_cannot_create_a_subflow_a_worker_would_run_or_bill(body, why):
     assert why in (refusal("POST", "/flow_runs/", body, known()) or "passed")
 
@@ -204,8 +289,7 @@ def test_the_engines_own_subflow_passes():
     assert refusal("POST", "/flow_runs/", {k: v for k, v in SUBFLOW.items() if k != "state"}, known()) is None
 
 
-@pytest.mark.parametrize("target", ["own", "child"])
-@pytest.mark.parametrize(("method", "tail", "body", "why"), [
+RUN_CHANGES = [
     ("POST", "/set_state", {"state": {"type": "SCHEDULED"}}, "'SCHEDULED'"),
     ("POST", "/set_state", {"state": {"type": "SCHEDULED"}, "force": True}, "'SCHEDULED'"),
     ("POST", "/set_state", {"state": {"type": "AWAITINGRETRY"}}, "AWAITINGRETRY"),
@@ -218,7 +302,11 @@ def test_the_engines_own_subflow_passes():
     ("PATCH", "", {"parameters": {"command": ["mine"]}}, "not parameters"),
     ("PATCH", "", {"infrastructure_pid": "e31:host:x"}, "not infrastructure_pid"),
     ("PATCH", "/labels", {"prefect.deployment.id": DEPLOYMENT}, "prefect.deployment.id"),
-])
+]
+
+
+@pytest.mark.parametrize("target", ["own", "child"])
+@pytest.mark.parametrize(("method", "tail", "body", "why"), RUN_CHANGES)
 def test_a_job_cannot_move_its_runs_to_a_worker_or_change_their_bill(target, method, tail, body, why):
     mine, child = with_child()
     run = RUN if target == "own" else child
@@ -232,8 +320,7 @@ def test_its_own_run_may_not_go_pending_again_but_a_subflow_may():
                                                              "force": True}, mine) is None
 
 
-@pytest.mark.parametrize("target", ["own", "child"])
-@pytest.mark.parametrize(("method", "tail", "body"), [
+ENGINE_CALLS = [
     ("POST", "/set_state", {"state": {"type": "RUNNING"}}),
     ("POST", "/set_state", {"state": {"type": "COMPLETED"}}),
     ("POST", "/set_state", {"state": {"type": "FAILED"}, "force": False}),
@@ -244,7 +331,11 @@ def test_its_own_run_may_not_go_pending_again_but_a_subflow_may():
     ("PATCH", "", {"name": "renamed"}),
     ("PATCH", "", {"flow_version": "abc", "empirical_policy": {"retries": 2, "retry_delay": 0}}),
     ("PATCH", "/labels", {"__OTEL_TRACEPARENT": "00-abc-def-01"}),
-])
+]
+
+
+@pytest.mark.parametrize("target", ["own", "child"])
+@pytest.mark.parametrize(("method", "tail", "body"), ENGINE_CALLS)
 def test_the_engines_own_state_and_update_calls_pass(target, method, tail, body):
     mine, child = with_child()
     run = RUN if target == "own" else child
@@ -285,7 +376,7 @@ def context_related():
             related("tag", "e31:team=vision")]
 
 
-@pytest.mark.parametrize("event", [
+FORGED_EVENTS = [
     {"event": "e31.job.deadline-missed", "resource": {"prefect.resource.id": "e31.job.x"}},
     {"event": "e31.job.deadline-missed", "resource": {"prefect.resource.id": "prefect.deployment.1"}},
     {"event": "prefect.work-pool.not-ready", "resource": {"prefect.resource.id": f"prefect.work-pool.{POOL_ID}"}},
@@ -310,7 +401,10 @@ def context_related():
     {"event": "prefect.task-run.Completed", "resource": {"prefect.resource.id": f"prefect.task-run.{uuid4()}"},
      "related": [related("flow-run", RUN, role="parent")]},
     {"event": "prefect.artifact.created", "resource": {"prefect.resource.id": f"prefect.artifact.{uuid4()}"}},
-])
+]
+
+
+@pytest.mark.parametrize("event", FORGED_EVENTS)
 def test_a_job_cannot_send_the_workers_or_prefects_events(event):
     assert not event_from_job(event, known())
 
@@ -336,8 +430,8 @@ def test_the_engines_own_events_pass_with_what_prefect_relates_to_them():
 
 def door(run_has_retries=False) -> gateway.Gateway:
     """A gateway with no socket: only its judgement of the job's own run's end."""
-    made = gateway.Gateway.__new__(gateway.Gateway)
-    made.owned, made.refused, made.work_ending = known(), [], threading.Event()
+    made = judge()
+    made.owned, made.work_ending = known(), threading.Event()
     made._retries_left = lambda: run_has_retries
     return made
 
@@ -450,3 +544,147 @@ def test_a_tagged_task_holds_its_tags_slots_and_only_its_own_leases():
     assert refusal("POST", f"/v2/concurrency_limits/leases/{other}/renew", {"lease_duration": 60}, mine)
     assert refusal("POST", "/v2/concurrency_limits/decrement-with-lease", {"lease_id": lease}, mine) is None
     assert refusal("POST", "/v2/concurrency_limits/decrement-with-lease", {"lease_id": other}, mine)
+
+
+# Issue 31: a gateway no job can exhaust. What a job sends is held in its supervisor, outside its memory limit.
+def wire(opcode: int, payload: bytes, fin: bool = True, rsv: int = 0) -> bytes:
+    """A masked frame as a job could write it, valid or not."""
+    head = bytes([(0x80 if fin else 0) | rsv | opcode])
+    size = len(payload)
+    head += bytes([0x80 | size]) if size < 126 else bytes([0x80 | 126]) + size.to_bytes(2, "big")
+    return head + b"\0\0\0\0" + payload  # a zero mask leaves the payload as it is
+
+
+@pytest.mark.parametrize(("frame", "code"), [
+    (wire(0x2, b"{}"), 1003),  # binary
+    *[(wire(opcode, b"x"), 1003) for opcode in (0x3, 0x4, 0x5, 0x6, 0x7, 0xB, 0xC, 0xD, 0xE, 0xF)],  # reserved
+    (wire(0x0, b"x"), 1003),  # a continuation
+    (wire(0x1, b'{"a": 1', fin=False), 1003),  # a fragmented message
+    (wire(0x9, b"x", fin=False), 1003),  # a fragmented ping
+    (wire(0x9, b"x" * 126), 1003),  # a ping over 125 bytes
+    (wire(0xA, b"x" * 200), 1003),
+    (wire(0x8, b"\x03\xe8" + b"x" * 124), 1003),
+    (wire(0x1, b"{}", rsv=0x40), 1003),  # compressed, though no extension was negotiated
+    (wire(0x1, b'{"event": "\xff\xfe"}'), 1003),  # text that is not UTF-8
+    (bytes([0x81, 0x80 | 127]) + (MAX_MESSAGE_BYTES + 1).to_bytes(8, "big"), 1009),  # its header is enough
+])
+def test_a_frame_the_gateway_cannot_judge_is_refused_with_a_close_code(frame, code):
+    with pytest.raises(FrameError) as refused:
+        read_frame(io.BytesIO(frame))
+    assert refused.value.code == code
+
+
+def test_control_frames_and_text_pass_and_a_close_is_checked():
+    assert read_frame(io.BytesIO(wire(0x9, b"x" * 125))) == Frame(0x9, b"x" * 125)
+    assert read_frame(io.BytesIO(wire(0x1, "é€😀".encode()))) == Frame(TEXT, "é€😀".encode())
+    assert valid_close(b"") and valid_close(b"\x03\xe8bye") and valid_close(b"\x0f\xa0")
+    assert not valid_close(b"\x03") and not valid_close(b"\x03\xed") and not valid_close(b"\x03\xe8\xff")
+
+
+def routes_and_bodies():
+    """Every call the cases above judge: (method, route, body, what the job owns)."""
+    mine, child = with_child()
+    for method, route, body in PASSING + [case[:3] for case in REFUSED]:
+        yield method, route, body, owned()
+    for body, _ in SUBFLOWS:
+        yield "POST", "/flow_runs/", body, known()
+    for target in (RUN, child):
+        for method, tail, body, _ in RUN_CHANGES:
+            yield method, f"/flow_runs/{target}{tail}", body, mine
+        for method, tail, body in ENGINE_CALLS:
+            yield method, f"/flow_runs/{target}{tail}", body, mine
+    yield "POST", "/logs/", [{"flow_run_id": RUN, "message": "m" * 5000, "level": 20}] * 3, owned()
+    yield "POST", "/artifacts/", {"flow_run_id": RUN, "key": "e31-meter-x", "data": "x" * 9000}, known()
+
+
+JUDGED = [case for case in routes_and_bodies() if route_for(case[0], case[1])]
+
+
+# Ids without the cases' random run ids: every test process must collect the same names.
+@pytest.mark.parametrize(("method", "route", "body", "mine"), JUDGED,
+                         ids=[f"{number}-{case[0]}" for number, case in enumerate(JUDGED)])
+def test_a_body_read_only_as_far_as_its_judge_looks_is_judged_as_the_whole_body(method, route, body, mine):
+    """The gateway builds only what each route's judge reads of a body (gateway_rules.Route.reads); the rest
+    is passed over. Judged so, every call gets the verdict the whole body gets."""
+    read = route_for(method, route)[0].reads
+    assert refusal(method, route, read_json(json.dumps(body).encode(), read), mine) == refusal(method, route, body,
+                                                                                              mine)
+
+
+@pytest.mark.parametrize("event", [*FORGED_EVENTS, "own task", "own flow run", "own artifact"])
+def test_an_event_read_only_as_far_as_its_judge_looks_is_judged_as_the_whole_event(event):
+    mine, task, artifact = known(), str(uuid4()), str(uuid4())
+    learn("POST", "/artifacts/", {"id": artifact}, mine)
+    own = {"own task": {"event": "prefect.task-run.Running", "related": [related("tag", "nightly"),
+                                                                           *context_related()],
+                        "resource": {"prefect.resource.id": f"prefect.task-run.{task}"},
+                        "payload": {"task_run": {"name": "step", "tags": ["nightly"]}, "x": list(range(50))}},
+           "own flow run": flow_run_event("model.saved", context_related()),
+           "own artifact": {"event": "prefect.artifact.created", "related": context_related(),
+                            "resource": {"prefect.resource.id": f"prefect.artifact.{artifact}"}}}
+    whole = own[event] if isinstance(event, str) else event
+    as_read = read_json(json.dumps(whole).encode(), MESSAGE_READS)
+    assert event_from_job(as_read, deepcopy(mine)) == event_from_job(whole, deepcopy(mine))
+
+
+MiB = 2**20
+LOG_BATCH = [{"flow_run_id": WHOLE, "task_run_id": WHOLE}]
+
+
+def many_keys(size: int) -> bytes:
+    return b"[{" + b",".join(b'"k%d":0' % i for i in range(size // 10)) + b"}]"
+
+
+@pytest.mark.parametrize(("name", "body"), [
+    ("empty objects", b"[" + b"{}," * (2 * MiB // 3 - 1) + b"{}]"),
+    ("empty arrays", b"[" + b"[]," * (2 * MiB // 3 - 1) + b"[]]"),
+    ("small keys", many_keys(2 * MiB)),
+    ("nested deep", b"[" * (4 * MiB) + b"]" * (4 * MiB)),
+    ("short strings", b"[" + b'"ab",' * (8 * MiB // 5 - 1) + b'"ab"]'),
+    ("a key of 8 MiB", b'[{"' + b"k" * 8 * MiB + b'": 1}]'),
+    ("astral text", b'[{"flow_run_id": "\xf0\x9f\x98\x80' + b"a" * (8 * MiB) + b'"}]'),
+    ("ids of 4 kB", b"[" + b",".join([b'{"flow_run_id": "' + b"a" * 4000 + b'"}'] * 2000) + b"]"),
+])
+def test_what_the_gateway_builds_to_judge_a_hostile_body_is_bounded(name, body):
+    """Python's json makes 30 to 60 times a body's size of these (a 16 MiB one took the supervisor to 437 MB);
+    the gateway's reader keeps at most KEPT_BYTES of it, or refuses it (413)."""
+    tracemalloc.start()
+    try:
+        try:
+            read_json(body, LOG_BATCH)
+        except BodyRefused as refused:
+            assert refused.status == 413
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 2 * KEPT_BYTES, f"{name}: {peak} bytes built"
+
+
+def test_a_batch_of_logs_at_the_engines_biggest_is_read_whole_and_kept_small():
+    entry = {"name": "prefect.task_runs", "level": 20, "message": "step finished", "timestamp":
+             "2026-01-31T12:00:00.000000Z", "flow_run_id": RUN, "task_run_id": None, "worker_id": None}
+    batch = json.dumps([entry] * (4_000_000 // len(json.dumps(entry)))).encode()  # PREFECT_LOGGING_TO_API_BATCH_SIZE
+    tracemalloc.start()
+    try:
+        read = read_json(batch, LOG_BATCH)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert len(read) == len(json.loads(batch)) and refusal("POST", "/logs/", read, owned()) is None
+    assert peak < KEPT_BYTES
+
+
+def test_the_budget_holds_no_more_than_its_bytes_over_all_connections():
+    budget = Budget(10)
+    with contextlib.ExitStack() as later:
+        with budget.hold(6, wait=0) as first:
+            with budget.hold(5, wait=0.05) as second:
+                assert first and not second
+            got: list[bool] = []
+            waiting = threading.Thread(target=lambda: got.append(later.enter_context(budget.hold(5, wait=30))))
+            waiting.start()
+        waiting.join()  # it had its room once the first let go
+        assert got == [True] and budget.held == 5
+    assert budget.held == 0 and budget.peak == 6
+    with budget.hold(11, wait=0) as too_big:
+        assert not too_big

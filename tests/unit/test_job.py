@@ -506,8 +506,10 @@ def test_a_job_must_be_a_mapping(not_a_mapping):
 
 def test_request_is_required():
     problem = only_problem({"name": "j", "work": {"command": ["x"]}})
-    assert (problem.field, problem.value, problem.fix) == ("request", MISSING, "is required")
-    assert str(problem) == "request: is required"
+    assert (problem.field, problem.value) == ("request", MISSING)
+    # What to write, not only that something is missing.
+    assert str(problem) == ("request: is required: say what the job rents and for how long, "
+                            "e.g. request: {gpus: 1, max_duration: 2h}")
 
 
 def test_a_written_null_is_shown_as_none_not_as_missing():
