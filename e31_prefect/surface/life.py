@@ -246,6 +246,15 @@ class JobLife(Adoption, Attempts, Sending, Watching):
         except ValueError as exc:
             raise Ends(endings.INVALID_JOB.saying(f"The run's worker settings are not valid:\n{exc}")) from None
         self._destination(job)  # a destination the run may not write ends it here, before anything is held
+        code = getattr(self.configuration, "code_mount", lambda: None)() if job.work.image else None
+        home = self.worker.settings.home.expanduser().resolve()
+        if code is not None and (home == code.resolve() or code.resolve() in home.parents):
+            # A process job is shown its own workspace there and nothing else (e31_prefect.host.sandbox); a
+            # container is given the whole folder, and one run as root would read every run's files in it.
+            raise Ends(endings.INVALID_JOB.saying(
+                f"The job's code folder {code}, which its container sees, holds this worker's E31_HOME ({home}): "
+                "every run's workspace and kept outputs are there. Move E31_HOME out of it (set E31_HOME on the "
+                "worker), or the job's files into a folder of their own. No GPU was rented."))
         deadline = timing.resolve_deadline(job.request.deadline, scheduled_start(self.flow_run), job.tz)
         latest = timing.latest_start(deadline, job.admission_duration)
         # A run the poll took on its predicted length (e31_prefect.model.prediction) is judged on it here too.

@@ -262,6 +262,17 @@ def test_admit_takes_a_run_the_poll_took_on_its_predicted_length(tmp_path):
     assert life.report.steps == []
 
 
+def test_a_container_job_whose_code_folder_holds_the_workers_home_is_refused_saying_how(tmp_path):
+    job = job_dict(tmp_path)
+    job["work"] = {"image": "python:3.11-slim", "command": ["true"]}
+    life = life_for(tmp_path, job)
+    life.configuration.code_mount = lambda: tmp_path  # the worker's E31_HOME is tmp_path/e31
+    ending = ending_of(life.admit)
+    assert ending.is_(endings.INVALID_JOB) and "holds this worker's E31_HOME" in ending.message
+    life.configuration.code_mount = lambda: tmp_path / "elsewhere"
+    assert life.admit().work.image == "python:3.11-slim"
+
+
 async def test_check_refuses_a_host_that_cannot_run_the_job(tmp_path):
     life = life_for(tmp_path, job_dict(tmp_path) | {"work": {"command": ["true"], "image": "acme/x:1"}})
     job = life.admit()
