@@ -20,10 +20,12 @@ import os
 import signal
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
-from e31_prefect.host.heartbeat import FENCED_FILE, read_lease
+from e31_prefect.host.heartbeat import FENCED_FILE, lease_end, read_lease
 from e31_prefect.host.ledger import RunFolder, now, write_json
+from e31_prefect.model.attempts import fence_seconds
 
 CHECK_SECONDS = 1.0
 KILL_SECONDS = 10.0  # how long the keeper goes on killing what it finds of the work
@@ -35,7 +37,10 @@ def keep(folder: RunFolder, supervisor: int) -> int:
         record = folder.record()
         if record is not None and record.finished:
             return 0
-        until, _ = read_lease(folder.path)
+        own, _ = read_lease(folder.path)
+        spec = folder.spec()
+        until = lease_end(own, Path(spec.host_beat_file) if spec and spec.host_beat_file else None,
+                          timedelta(seconds=fence_seconds(spec.host_lost_seconds)) if spec else timedelta())
         at = now()
         if until is not None and at >= until:
             fence(folder, supervisor)

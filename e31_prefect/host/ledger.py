@@ -115,6 +115,7 @@ class Spec:
     # (0: none; the work is not fenced).
     host: str | None = None
     host_lost_seconds: float = 0.0
+    host_beat_file: str | None = None  # where the host's workers say when the API last took their heartbeat
 
 
 @dataclass
@@ -140,7 +141,7 @@ class Record:
     ended: str | None = None  # the work's last process is gone
     exit_code: int | None = None
     # "exited", "timed-out", "stopped", "out-of-memory", "not-started", "output-bound", "kept-running" (said
-    # its flow returned, then did not end within its report grace)
+    # its flow returned, then did not end within its report grace), "fenced" (its host was cut off from the API)
     ending: str | None = None
     job_user: int | None = None  # the uid the process ran as, where it had one of its own
     message: str | None = None

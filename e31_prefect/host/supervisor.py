@@ -463,7 +463,7 @@ def _fence(spec: Spec, folder: RunFolder) -> Beating | None:
 
     api = ApiVariables(spec.api_upstream, auth_header(spec.api_key, spec.api_auth_string))
     beating = Beating(folder.path, api, spec.host, spec.host_lost_seconds, beat_seconds(spec.host_lost_seconds),
-                      fence_seconds(spec.host_lost_seconds))
+                      fence_seconds(spec.host_lost_seconds), Path(spec.host_beat_file) if spec.host_beat_file else None)
     with open(folder.supervisor_log, "ab") as log:
         subprocess.Popen([sys.executable, "-s", "-m", "e31_prefect.host.fence", str(folder.path)],
                          stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log, close_fds=True, cwd="/")

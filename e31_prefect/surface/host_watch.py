@@ -29,6 +29,7 @@ import anyio
 
 from e31_prefect.host import device_health
 from e31_prefect.host.device_health import NvmlHealth
+from e31_prefect.host.heartbeat import write_host_reached
 from e31_prefect.model import attempts
 from e31_prefect.model.attempts import Beat, Loss
 from e31_prefect.surface import drains, hosts_table
@@ -138,6 +139,8 @@ class HostWatching:
                 self._logger.warning("This host's heartbeat did not reach the Prefect API: %s", exc)
             self._api_back = None
             return
+        with contextlib.suppress(OSError):  # every run's fence on this host counts from it too
+            write_host_reached(self.settings.home.expanduser(), now)
         at = time.monotonic()
         if self._beat_ok is not None and at - self._beat_ok >= attempts.fence_seconds(self._lost_seconds):
             self._gap_ended = at

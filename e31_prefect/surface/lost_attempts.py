@@ -141,6 +141,9 @@ async def end_lost_attempt(worker: Any, flow_run_id: UUID, loss: Loss, host: str
         message = f"Attempt {attempt}: {verdict.why}{billed}"
         ending = (endings.lost(loss.kind, verdict.again) if verdict.name in attempts.LOSSES
                   else endings.DEADLINE_MISSED).saying(message)
+    if labels.get(attempts.LEASE_LABEL):  # freed first: the new attempt may be taken as soon as it is queued
+        with contextlib.suppress(ValueError):
+            await quotas.release(client, UUID(str(labels[attempts.LEASE_LABEL])))
     await report.end(ending)
     logger = worker.get_flow_run_logger(run)
     (logger.warning if ending.handed_back else logger.error)(ending.message)
@@ -150,9 +153,6 @@ async def end_lost_attempt(worker: Any, flow_run_id: UUID, loss: Loss, host: str
             "retries": attempts.retries_after_loss(run.empirical_policy.retries, True)})
         with contextlib.suppress(Exception):
             await client.update_flow_run(run.id, empirical_policy=policy)
-    if labels.get(attempts.LEASE_LABEL):
-        with contextlib.suppress(ValueError):
-            await quotas.release(client, UUID(str(labels[attempts.LEASE_LABEL])))
     if rented is None:
         await client.update_flow_run_labels(run.id, {attempts.RENTED_LABEL: "", attempts.LEASE_LABEL: ""})
         return ending
