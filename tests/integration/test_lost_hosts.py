@@ -94,8 +94,11 @@ def meters(run_id: UUID) -> dict[str, list[dict]]:
 
 
 def running_on(host: Host, run_id: UUID) -> bool:
+    """The run works on the host, and its hand-over is labelled (the host says so a moment after the work starts,
+    in the background: a host lost before then leaves its quota slots to expire with their lease)."""
     run = read_run(run_id)
-    return run.state.is_running() and (run.labels or {}).get("e31.host") == host.name and \
+    labels = run.labels or {}
+    return run.state.is_running() and labels.get("e31.host") == host.name and bool(labels.get("e31.rented")) and \
         (host.home / "workspaces" / str(run_id) / "output" / "alive.txt").exists()
 
 
@@ -136,7 +139,8 @@ def test_a_host_lost_with_everything_on_it_costs_its_run_a_delay_not_its_night(p
     assert abs((ended - max(heard, rented)).total_seconds()) < 1, (first, heard)
     assert "e31:attempts=2" in run.tags
     # The lost attempt's quota slots were freed with it: the new one never waited for them.
-    assert not [s for s in states(run_id) if s.message and "Quota full" in s.message]
+    history = [(s.timestamp.isoformat(), s.name, s.message) for s in states(run_id)]
+    assert not [s for s in history if s[2] and "Quota full" in s[2]], history
 
     # Host A comes back with its E31_HOME: its worker adopts what its ledger held, and says nothing of it.
     a.start()
@@ -178,7 +182,13 @@ def test_a_cut_off_host_stops_its_work_before_the_pool_runs_it_elsewhere(prefect
             left = {pid: cmdline(pid).replace(b"\0", b" ")[:200] for pid in job if working(pid)}
             raise AssertionError(f"host A's fence left {left} running; stopped {stopped}") from None
         until(lambda: requeued(run_id), 120, "the pool requeuing the run of host A")
-        until(lambda: completed(run_id), 180, "the run completing on host B")
+        try:
+            until(lambda: completed(run_id), 180, "the run completing on host B")
+        except AssertionError:
+            run = read_run(run_id)
+            history = [(s.timestamp, s.name, s.message) for s in states(run_id)]
+            raise AssertionError(f"the run did not complete on host B: {run.state!r} {run.labels} {history} "
+                                 f"{sorted(meters(run_id))}\n{b.output()}") from None
     finally:
         for pid in stopped:
             os.kill(pid, signal.SIGCONT)
