@@ -43,8 +43,9 @@ def variable_name(host: str) -> str:
 
 def parse(value: Mapping[str, Any] | None) -> dict[str, Drain]:
     """A drain variable's value as its drains by device; anything malformed is left out."""
-    found = {}
-    for device, item in ((value or {}).get("devices") or {}).items():
+    found: dict[str, Drain] = {}
+    devices = value.get("devices") if isinstance(value, Mapping) else None
+    for device, item in (devices.items() if isinstance(devices, Mapping) else ()):
         if isinstance(item, Mapping):
             found[str(device)] = Drain(str(device), str(item.get("reason", "")), str(item.get("at", "")),
                                        str(item.get("by", "")))
