@@ -1,6 +1,7 @@
 """60 jobs over three e31 hosts while everything around them fails, hosts and GPUs included.
 
     python benchmarks/chaos.py [--jobs 60] [--hosts 3] [--gpus 4] [--host-lost-seconds 60]
+    python benchmarks/chaos.py --small   # 12 jobs, faults at half pace, a 60 s cut: about 5 minutes
 
 Three hosts on this machine, each its own E31_HOST_NAME, E31_HOME, device locks and declared GPUs, with a
 worker each, on one pool of a Prefect server on PostgreSQL. Jobs write their outputs to S3; some leave a
@@ -12,8 +13,8 @@ setsid daemon behind. While they run:
   requeued its runs (what it says then must change nothing); later it is lost again, its E31_HOME wiped,
   and it starts again at once (its own worker ends what its wiped ledger forgot);
 - a GPU fails: the host's health command says so from then on;
-- a host is cut off: its worker and supervisors SIGSTOPped for 3 minutes (its jobs' processes go on until
-  its fence stops them), then SIGCONTed;
+- a host is cut off: its worker and supervisors SIGSTOPped for 3 minutes (``--partition-seconds``; its jobs'
+  processes go on until its fence stops them), then SIGCONTed;
 - the S3 server is unreachable for 30 s (a proxy in front of moto refuses connections).
 
 Printed at the end, goal 0 for each but the requeue times:
@@ -285,7 +286,15 @@ def main() -> None:
     parser.add_argument("--window", type=float, default=900, help="seconds after the chaos for every run to end")
     parser.add_argument("--database", choices=["postgres", "sqlite"], default="postgres",
                         help="the Prefect server's database (postgres: scripts/postgres.sh)")
+    parser.add_argument("--partition-seconds", type=float, default=180, help="how long the cut-off host is stopped")
+    parser.add_argument("--pace", type=float, default=1.0, help="the faults' times (but the lost and cut times) "
+                        "multiplied by this")
+    parser.add_argument("--small", action="store_true", help="a short run for a small machine: 12 jobs of 20-40 s on "
+                        "3 hosts of 2 GPUs, E31_HOST_LOST_SECONDS=30, a 60 s cut, faults at half pace")
     args = parser.parse_args()
+    if args.small:
+        args.jobs, args.gpus, args.seconds, args.host_lost_seconds = 12, 2, (20, 40), 30
+        args.partition_seconds, args.pace, args.window = 60, 0.5, 300
     assert args.hosts >= 3, "the faults need three hosts"
     lost_seconds = args.host_lost_seconds
     rng = random.Random(args.seed)
@@ -314,6 +323,9 @@ def main() -> None:
     server.start()
     env = {**os.environ, **s3, "E31_WATCH_SECONDS": "1", "E31_STOP_GRACE_SECONDS": "2",
            "E31_HOST_LOST_SECONDS": str(lost_seconds), "E31_GPU_HEALTH_SECONDS": "2",
+           # Four faults here can each cost one run an attempt (lost, GPU, cut off, lost again): the pool allows
+           # one more, so that every run can meet its deadline whatever it is hit by.
+           "E31_HOST_ATTEMPTS": "5",
            "PREFECT_WORKER_QUERY_SECONDS": "1", "PREFECT_WORKER_HEARTBEAT_SECONDS": "5"}
     bin_dir = Path(sys.executable).parent
     folder = root / "job"
@@ -358,13 +370,14 @@ def main() -> None:
     def say(text: str) -> None:
         print(f"{time.monotonic() - started:6.0f} s  {text}", flush=True)
 
-    at(20)
+    pace, cut = args.pace, args.partition_seconds
+    at(20 * pace)
     say(f"SIGKILL the worker of {c.name}")
     c.worker.kill()
     c.worker.wait()
-    at(25)
+    at(25 * pace)
     c.start()
-    at(35)
+    at(35 * pace)
     say(f"SIGTERM the worker of {b.name}")
     asked = time.monotonic()
     b.worker.send_signal(signal.SIGTERM)
@@ -373,44 +386,50 @@ def main() -> None:
         say(f"  it exited {time.monotonic() - asked:.1f} s after SIGTERM")
     except subprocess.TimeoutExpired:
         say("  it did not exit within 60 s of SIGTERM")
-    at(40)
+    at(40 * pace)
     b.start()
-    at(50)
+    at(50 * pace)
     say("restarting the Prefect server")
     down = time.monotonic()
     server.stop()
     server.start()
     say(f"  it answered again after {time.monotonic() - down:.1f} s")
-    at(80)
+    lost_at = 80 * pace
+    at(lost_at)
     say(f"{a.name} lost: every process of it SIGKILLed (its E31_HOME kept)")
     faults.append(("host lost", a.name, now()))
     a.lose()
-    at(95)
+    at(95 * pace)
     say(f"GPU 0 of {c.name} fails: its health command says so from now on")
     Path(f"{c.bad}0").write_text("")
     faults.append(("gpu failed", c.name, now()))
-    at(120)
-    say(f"{b.name} cut off: its worker and supervisors SIGSTOPped for 180 s")
+    cut_at = 120 * pace
+    at(cut_at)
+    say(f"{b.name} cut off: its worker and supervisors SIGSTOPped for {cut:.0f} s")
     faults.append(("cut off", b.name, now()))
     stopped = b.partition()
-    at(80 + lost_seconds + 30)
-    say(f"{a.name} starts again with its E31_HOME")
-    a.start()
-    at(80 + lost_seconds + 60)
-    say(f"{a.name} lost again; it starts again at once, its E31_HOME wiped")
-    faults.append(("host lost, wiped", a.name, now()))
-    a.lose()
-    shutil.rmtree(a.home)
-    a.start()
-    at(300)
-    say(f"{b.name} answers again (SIGCONT)")
-    for pid in stopped:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGCONT)
-    at(310)
-    say("S3 unreachable for 30 s")
+    events = [(lost_at + lost_seconds + 30 * pace, "back"), (lost_at + lost_seconds + 60 * pace, "wiped"),
+              (cut_at + cut, "cont")]
+    for when, what in sorted(events):
+        at(when)
+        if what == "back":
+            say(f"{a.name} starts again with its E31_HOME")
+            a.start()
+        elif what == "wiped":
+            say(f"{a.name} lost again; it starts again at once, its E31_HOME wiped")
+            faults.append(("host lost, wiped", a.name, now()))
+            a.lose()
+            shutil.rmtree(a.home)
+            a.start()
+        else:
+            say(f"{b.name} answers again (SIGCONT)")
+            for pid in stopped:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+    at(cut_at + cut + 10 * pace)
+    say(f"S3 unreachable for {30 * pace:.0f} s")
     switch.down()
-    time.sleep(30)
+    time.sleep(30 * pace)
     switch.up()
     say("S3 back")
     chaos_over = time.monotonic()
