@@ -47,41 +47,48 @@ class Adoption:
             flow_run = await worker.client.read_flow_run(UUID(folder.run_id))
         except (ObjectNotFound, ValueError):
             flow_run = None
+        except BaseException:
+            os.close(owner)  # the API is down: the next sweep adopts it again (a lock kept here never would be)
+            raise
         if holding is None or flow_run is None:
             _stop_leftovers(folder)
             worker.ledger.forget(folder.run_id)
             os.close(owner)
             return None
         life: Any = cls(worker, flow_run, None, owner=owner)  # type: ignore[call-arg]
-        life.job_name, life.holding = holding.job_name, holding
-        life.taken, life.attempt = holding.taken, holding.attempt
-        life.workspace = Path(holding.workspace)
-        life.lease = UUID(holding.lease) if holding.lease else None
-        with contextlib.suppress(TypeError):
-            life.bounds = OutputBounds(**holding.output_bounds) if holding.output_bounds else None
-        life.meter = meter_from(holding, folder.record(), worker.settings.stop_grace_seconds)
-        life.log.warning("Adopting this run, left by a worker that is gone (pid %s)", holding.worker_pid)
-        if not await life.still_ours(always=True):
-            # Requeued by the pool while this host was cut off or down: whatever is left of it stops here.
-            supervisor = Supervisor(folder)
-            if supervisor.alive():
-                supervisor.stop()
+        try:
+            life.job_name, life.holding = holding.job_name, holding
+            life.taken, life.attempt = holding.taken, holding.attempt
+            life.workspace = Path(holding.workspace)
+            life.lease = UUID(holding.lease) if holding.lease else None
+            with contextlib.suppress(TypeError):
+                life.bounds = OutputBounds(**holding.output_bounds) if holding.output_bounds else None
+            life.meter = meter_from(holding, folder.record(), worker.settings.stop_grace_seconds)
+            life.log.warning("Adopting this run, left by a worker that is gone (pid %s)", holding.worker_pid)
+            if not await life.still_ours(always=True):
+                # Requeued by the pool while this host was cut off or down: whatever is left of it stops here.
+                supervisor = Supervisor(folder)
+                if supervisor.alive():
+                    supervisor.stop()
+                    with anyio.move_on_after(60):
+                        await supervisor.wait()
+                _stop_leftovers(folder)
+                ending = life.stand_down()
+            elif "rented" not in holding.marks:  # never handed its devices: its supervisor, if any, ends the work
                 with anyio.move_on_after(60):
-                    await supervisor.wait()
-            _stop_leftovers(folder)
-            ending = life.stand_down()
-        elif "rented" not in holding.marks:  # never handed its devices: its supervisor, if any, ends the work
-            with anyio.move_on_after(60):
-                await Supervisor(folder).wait()
-            _stop_leftovers(folder)  # and whatever a supervisor that died first left
-            ending = await life._never_started()
-        else:
-            ending = await life._resume(folder, Job.model_validate(holding.job))
-        # The slots go back with the devices, before the meter is recorded, as in a run's own life:
-        # a worker stopped once the run's tags are written holds nothing of it.
-        await life._release_lease()
-        await life.release(ending)
-        return ending
+                    await Supervisor(folder).wait()
+                _stop_leftovers(folder)  # and whatever a supervisor that died first left
+                ending = await life._never_started()
+            else:
+                ending = await life._resume(folder, Job.model_validate(holding.job))
+            # The slots go back with the devices, before the meter is recorded, as in a run's own life:
+            # a worker stopped once the run's tags are written holds nothing of it.
+            await life._release_lease()
+            await life.release(ending)
+            return ending
+        except BaseException:
+            life._let_go()  # whatever failed, the next sweep adopts it again (a lock kept here never would be)
+            raise
 
     async def _never_started(self) -> Ending | None:
         """Taken (perhaps rented), never handed its devices: nothing of the job ran. The run goes back to the

@@ -377,6 +377,28 @@ async def test_a_worker_stopping_while_rented_keeps_the_lease_for_the_adopter(tm
     assert life.folder.holding() is not None, "the ledger keeps the run for the next worker"
 
 
+async def test_an_adoption_that_meets_the_api_down_leaves_the_run_for_the_next_sweep(tmp_path):
+    life = life_for(tmp_path)
+
+    async def stopped(rental: Any) -> None:
+        raise anyio.get_cancelled_exc_class()()
+
+    with pytest.raises(anyio.get_cancelled_exc_class()):
+        await rent_and(life, stopped)
+    life._let_go()  # its worker is gone
+    worker = life.worker
+    [(folder, owner)] = worker.ledger.claim_orphans()
+
+    async def down(flow_run_id: UUID) -> Any:
+        raise httpx.ConnectError("the Prefect server restarts")
+
+    worker.client.read_flow_run = down
+    with pytest.raises(httpx.ConnectError):
+        await JobLife.adopt(worker, folder, owner)
+    assert [f.run_id for f, _ in worker.ledger.claim_orphans()] == [folder.run_id], \
+        "the failed adoption kept the run's lock: no sweep adopts it again, its meter is never closed"
+
+
 # -- run --------------------------------------------------------------------------------------
 
 
