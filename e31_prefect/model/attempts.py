@@ -174,12 +174,14 @@ def retries_after_loss(retries: int | None, was_running: bool) -> int | None:
 def superseded(states: Sequence[tuple[str, str, str]], taken: str | None) -> bool:
     """Whether the attempt that took the run with the Pending state ``taken`` is no longer the run's, from its
     state history (``(id, type, name)`` oldest first): a later state sent it back to the queue (Scheduled: a
-    requeue after a loss, or a hand-back), after which any take is another attempt's. The flow's own retries
-    within its attempt (Scheduled states named AwaitingRetry) are its own.
+    requeue after a loss, or a hand-back), after which any take is another attempt's; or the pool ended it for a
+    loss (its last attempt used: a final state named after the loss). The flow's own retries within its attempt
+    (Scheduled states named AwaitingRetry) are its own.
     """
     if taken is None:
         return False
     ids = [state_id for state_id, _, _ in states]
     if taken not in ids:
         return True  # its take is not in the run's history: the run is not the one it took
-    return any(kind == "SCHEDULED" and name != "AwaitingRetry" for _, kind, name in states[ids.index(taken) + 1:])
+    return any((kind == "SCHEDULED" and name != "AwaitingRetry") or name in LOSSES
+               for _, kind, name in states[ids.index(taken) + 1:])

@@ -96,7 +96,22 @@ def test_an_attempt_is_superseded_once_its_run_went_back_to_the_queue():
     assert not attempts.superseded(mine, None), "a run not taken from the pool (e31 run) is its caller's"
 
 
+def test_an_attempt_the_pool_ended_for_its_lost_host_is_superseded_though_nothing_came_after():
+    """Its last attempt lost: the pool ended the run HostLost (Failed), not requeued. The host that comes back
+    keeps its outputs in its spool, as it would for a requeued run."""
+    taken = [("p1", "PENDING", "Pending"), ("r1", "RUNNING", "Running")]
+    assert attempts.superseded([*taken, ("f1", "FAILED", "HostLost")], "p1")
+    assert attempts.superseded([*taken, ("f1", "FAILED", "DeviceFailed")], "p1")
+    assert not attempts.superseded([*taken, ("f1", "FAILED", "Failed")], "p1"), "its flow's own end is its own"
+
+
 def test_labels_name_the_attempt_and_the_earlier_bill():
     assert attempts.attempt_of(None) == 1 and attempts.attempt_of({"e31.attempt": 3}) == 3
     assert attempts.attempt_of({"e31.attempt": "junk"}) == 1
     assert attempts.earlier_billed({"e31.billed-earlier-s": 12.5}) == 12.5 and attempts.earlier_billed({}) == 0
+
+
+def test_e31_queue_names_a_requeued_runs_attempt_and_not_a_first_one():
+    assert attempts.shown_name("amber-otter", {"e31.attempt": 2}) == "amber-otter (attempt 2)"
+    assert attempts.shown_name("amber-otter", {}) == "amber-otter"
+    assert attempts.shown_name("amber-otter", None) == "amber-otter"
