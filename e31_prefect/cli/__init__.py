@@ -4,6 +4,8 @@
     e31 submit job.yaml                           # schedule it; a worker runs it later
     e31 validate job.yaml                         # the normalized job, or its problems
     e31 queue --pool gpu                          # every waiting run: planned start, finish, deadline met
+    e31 hosts --pool gpu                          # every host: its GPUs, rented to whom or drained, last heartbeat
+    e31 drain HOST [GPU] --reason TEXT            # no new run lands there (e31 undrain HOST [GPU] ends it)
     e31 blocks apply blocks/                      # create or update the blocks described in blocks/*.yaml
     e31 pool migrate docker-gpu gpu --gpus 1 --max-duration 2h   # a DockerWorker pool's deployments, on e31
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import sys
 from collections.abc import Sequence
 from datetime import datetime, timedelta, timezone
@@ -72,6 +75,21 @@ def _parser() -> argparse.ArgumentParser:
                                 "and whether it meets its deadline (like squeue --start)")
     queue.add_argument("--pool", default="e31", help="e31 work pool (default: e31)")
     queue.set_defaults(handler=_queue)
+
+    hosts = commands.add_parser("hosts", help="every host of a pool: its GPUs (free, rented and to which run, drained "
+                                "and why), its last heartbeat and its worker's version (like sinfo)")
+    hosts.add_argument("--pool", default="e31", help="e31 work pool (default: e31)")
+    hosts.set_defaults(handler=_hosts)
+
+    for name, text in (("drain", "no new run lands on a host or one GPU of it (running work finishes), like "
+                        "scontrol update state=drain"), ("undrain", "a drained host or GPU takes runs again")):
+        command = commands.add_parser(name, help=text)
+        command.set_defaults(command=name)
+        command.add_argument("host", help="the host's name (its E31_HOST_NAME, as e31 hosts shows it)")
+        command.add_argument("gpu", nargs="?", type=int, help="one GPU's index (default: the whole host)")
+        if name == "drain":
+            command.add_argument("--reason", default="maintenance", help="why, shown by e31 hosts and e31 queue")
+        command.set_defaults(handler=_drain)
 
     quota = commands.add_parser("quota", help="GPUs a team (or with --pool, a pool) may hold at once")
     quota_actions = quota.add_subparsers(required=True, metavar="ACTION")
@@ -227,6 +245,50 @@ async def _read_usage(since: datetime, until: datetime):
                 pool=flow_run.work_pool_name or "-", day=flow_run.expected_start_time.date().isoformat(),
                 gpus=gpus, billed_seconds=billed, run_seconds=run_seconds, queue_seconds=queue, outcome=outcome))
     return found
+
+
+def _hosts(args: argparse.Namespace) -> int:
+    from prefect import get_client
+
+    from e31_prefect.host.settings import E31Settings
+    from e31_prefect.surface import hosts_table
+
+    _connect()
+
+    async def show() -> str:
+        async with get_client() as client:
+            table = await hosts_table.read_rows(client, args.pool, E31Settings().host_lost_seconds)
+            with contextlib.suppress(Exception):  # shown in the UI too; only the UI's copy would be missing
+                await hosts_table.write(client, args.pool, table)
+        return hosts_table.render(table) if table else f"No host of pool {args.pool!r} has published itself yet."
+
+    print(asyncio.run(show()))
+    return 0
+
+
+def _drain(args: argparse.Namespace) -> int:
+    from prefect import get_client
+
+    from e31_prefect.surface import drains
+
+    if args.gpu is not None and args.gpu < 0:
+        print(f"{args.command}: {args.gpu} is not a GPU index; give 0 or more", file=sys.stderr)
+        return EXIT_INVALID
+    device = drains.WHOLE_HOST if args.gpu is None else str(args.gpu)
+    reason = getattr(args, "reason", None)
+    _connect()
+
+    async def apply() -> dict:
+        async with get_client() as client:
+            return await drains.change(client, args.host, device, reason, "operator")
+
+    now = asyncio.run(apply())
+    what = f"GPU {args.gpu} of host {args.host}" if args.gpu is not None else f"host {args.host}"
+    if reason is not None:
+        print(f"Drained {what}: no new run lands there; running work finishes ({reason}).")
+    else:
+        print(f"Undrained {what}." + (f" Still drained: {', '.join(sorted(now))}." if now else ""))
+    return 0
 
 
 def _quota_set(args: argparse.Namespace) -> int:

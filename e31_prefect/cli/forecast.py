@@ -51,9 +51,12 @@ def rows(planned: Sequence[Planned], names: Mapping[Any, tuple[str, str]], now: 
 
 def render(table: Sequence[tuple[str, ...]], hosts: Sequence[HostInventory]) -> str:
     """The table as text, under one line on the pool's live devices."""
-    devices = sum(len(h.free) + len(h.busy) for h in hosts)
+    devices = sum(len(h.models) or len(h.free) + len(h.busy) for h in hosts)
     free = sum(len(h.free) for h in hosts)
+    drained = [f"{h.host} GPU {index}: {why}" for h in hosts for index, why in sorted(h.drained.items())]
     lines = [f"{len(hosts)} live worker(s), {devices} GPU(s), {free} free now; {len(table)} waiting run(s)"]
+    if drained:
+        lines.append(f"{len(drained)} drained, taking no run: " + "; ".join(drained))
     widths = [max(len(str(row[i])) for row in [COLUMNS, *table]) for i in range(len(COLUMNS))]
     for row in [COLUMNS, *table]:
         lines.append("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())

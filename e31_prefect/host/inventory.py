@@ -247,16 +247,27 @@ class Inventory:
         self._files: dict[Device, int] = {}
         self._host = HostLocks(locks, log) if locks is not None else None
         self._lock = threading.Lock()
+        self._drained: dict[Device, str] = {}  # devices no new run rents, and why (a failed health check, an operator)
 
     def prepare(self) -> list[str]:
         """Make or close the host's lock folder (:meth:`HostLocks.prepare`); a line per change."""
         return self._host.prepare() if self._host is not None else []
 
     def free(self) -> list[Device]:
-        """Devices no run holds now, here or in another process on this host."""
+        """Devices no run holds now, here or in another process on this host, and not drained."""
         with self._lock:
-            mine = [d for d in self.devices if d not in self._holder]
+            mine = [d for d in self.devices if d not in self._holder and d not in self._drained]
         return [d for d in mine if self._host is None or not self._host.held_elsewhere(d)]
+
+    def set_drained(self, drained: dict[int, str]) -> None:
+        """Drain these devices (by index, with why): no new run rents them; a run on one goes on."""
+        with self._lock:
+            self._drained = {d: drained[d.index] for d in self.devices if d.index in drained}
+
+    def drained(self) -> dict[Device, str]:
+        """Each drained device and why."""
+        with self._lock:
+            return dict(self._drained)
 
     def hold(self, flow_run_id: UUID, devices: Sequence[Device]) -> bool:
         """Hold exactly these devices for the run if all are free; otherwise hold nothing."""

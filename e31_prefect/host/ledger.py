@@ -63,6 +63,9 @@ class Holding:
     stop_at: str | None = None  # the time limit: when the supervisor stops the work
     marks: dict[str, str] = field(default_factory=dict)
     output_bounds: dict[str, Any] = field(default_factory=dict)  # its OutputBounds: its disk, files, time to send
+    host: str | None = None  # the host (E31_HOST_NAME) whose worker holds it: only that host's workers adopt it
+    taken: str | None = None  # the Pending state its worker took it with: the attempt's (e31_prefect.model.attempts)
+    attempt: int = 1
 
     def marks_as_datetimes(self) -> dict[str, datetime]:
         """The meter marks recorded so far."""
@@ -108,6 +111,11 @@ class Spec:
     output_dir: str | None = None
     output_max_entries: int | None = None
     output_max_bytes: int | None = None
+    # Its host's heartbeats and fence (e31_prefect.host.heartbeat): the host's name and its pool's lost time
+    # (0: none; the work is not fenced).
+    host: str | None = None
+    host_lost_seconds: float = 0.0
+    host_beat_file: str | None = None  # where the host's workers say when the API last took their heartbeat
 
 
 @dataclass
@@ -133,7 +141,7 @@ class Record:
     ended: str | None = None  # the work's last process is gone
     exit_code: int | None = None
     # "exited", "timed-out", "stopped", "out-of-memory", "not-started", "output-bound", "kept-running" (said
-    # its flow returned, then did not end within its report grace)
+    # its flow returned, then did not end within its report grace), "fenced" (its host was cut off from the API)
     ending: str | None = None
     job_user: int | None = None  # the uid the process ran as, where it had one of its own
     message: str | None = None
@@ -305,10 +313,17 @@ class Ledger:
         return [RunFolder(path) for path in sorted(self.root.iterdir())
                 if path.is_dir() and (path / "holding.json").exists()]
 
-    def claim_orphans(self) -> list[tuple[RunFolder, int]]:
-        """The runs no live worker owns, each with its owner lock, now held by the caller who adopts them."""
+    def claim_orphans(self, host: str | None = None) -> list[tuple[RunFolder, int]]:
+        """The runs no live worker owns, each with its owner lock, now held by the caller who adopts them.
+
+        ``host``: the caller's host name; a run held for another host (two e31 hosts on one machine that
+        share an E31_HOME by mistake) is left to that host's workers.
+        """
         claimed = []
         for folder in self.folders():
+            holding = folder.holding()
+            if host is not None and holding is not None and holding.host not in (None, host):
+                continue
             fd = folder.own()
             if fd is not None:
                 claimed.append((folder, fd))

@@ -85,7 +85,19 @@ def plan_view(needed: Iterable[Path], passable: Callable[[Path], bool] = others_
         if not any(wider in temp.parents for wider in view.temps):
             view.temps.append(temp)
     for path in paths:
-        if any(path == shown or shown in path.parents for shown in view.shows):
+        wider = next((shown for shown in view.shows if path == shown or shown in path.parents), None)
+        if wider == path:
+            continue
+        if wider is not None:
+            # Shown by a wider path, as the host has it: only a closed folder between the two hides it (a job
+            # folder holding the worker's E31_HOME, whose runs' workspaces lie in it).
+            blocked = next((folder for folder in reversed(path.parents) if wider in folder.parents
+                            and not passable(folder)), None)
+            if blocked is not None:
+                # A cover above the wider shown path covers nothing the shown path brings back.
+                if not any(c == blocked or (c in blocked.parents and wider in c.parents) for c in view.covers):
+                    view.covers.append(blocked)
+                view.shows.append(path)
             continue
         temp = next((temp for temp in view.temps if temp in path.parents), None)
         blocked = next((folder for folder in reversed(path.parents) if folder != Path("/")
@@ -113,29 +125,36 @@ def enter(view: View | None, private_network: bool) -> None:
     _mount(libc, None, "/", None, MS_REC | MS_PRIVATE)  # nothing done here reaches the host's view
     # Each shown path is held open before its folder is covered, then mounted back from the handle.
     held = {path: os.open(path, os.O_PATH | os.O_CLOEXEC) for path in view.shows}
-    # Shallow first: a private /var/tmp inside a covered /var is mounted on the cover, not under it.
+    # Shallow first: a private /var/tmp inside a covered /var is mounted on the cover, not under it, and a
+    # folder covered inside a shown one (E31_HOME in a job's folder) is covered on the shown one.
     # Inodes bounded too (one per page of the size bound): empty files take kernel memory, not space.
     inodes = max(1024, view.temp_bytes // 4096)
     mounts = sorted([(folder, "mode=755,size=1m") for folder in view.covers]
-                    + [(temp, f"mode=1777,size={view.temp_bytes},nr_inodes={inodes}") for temp in view.temps],
-                    key=lambda mount: len(mount[0].parts))
+                    + [(temp, f"mode=1777,size={view.temp_bytes},nr_inodes={inodes}") for temp in view.temps]
+                    + [(path, None) for path in view.shows],
+                    key=lambda mount: (len(mount[0].parts), mount[1] is None))
     for folder, options in mounts:
-        if os.path.isdir(folder):  # one inside a cover is gone from the view: nothing to make private there
+        if options is None:
+            _show(libc, folder, held[folder])
+        elif os.path.isdir(folder):  # one inside a cover is gone from the view: nothing to make private there
             _mount(libc, "tmpfs", str(folder), "tmpfs", MS_NOSUID | MS_NODEV, options)
     if os.path.isdir(MQUEUE):  # the queues of its own IPC namespace, not the host's
         _mount(libc, "mqueue", str(MQUEUE), "mqueue", MS_NOSUID | MS_NODEV | MS_NOEXEC)
-    for path, handle in held.items():
-        if os.path.isdir(f"/proc/self/fd/{handle}"):
-            os.makedirs(path, exist_ok=True)
-        else:
-            os.makedirs(path.parent, exist_ok=True)
-            Path(path).touch()
-        _mount(libc, f"/proc/self/fd/{handle}", str(path), None, MS_BIND | MS_REC)
-        os.close(handle)
     for folder in view.hides:  # last, so no shown path brings one back
         if os.path.isdir(folder):
             _mount(libc, "tmpfs", str(folder), "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
                    "mode=555,size=4k")
+
+
+def _show(libc: ctypes.CDLL, path: Path, handle: int) -> None:
+    """Mount back a shown path from its handle, held open before anything was covered."""
+    if os.path.isdir(f"/proc/self/fd/{handle}"):
+        os.makedirs(path, exist_ok=True)
+    else:
+        os.makedirs(path.parent, exist_ok=True)
+        Path(path).touch()
+    _mount(libc, f"/proc/self/fd/{handle}", str(path), None, MS_BIND | MS_REC)
+    os.close(handle)
 
 
 @contextlib.contextmanager

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 from typing import Literal
 
@@ -24,6 +25,12 @@ class E31Settings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="E31_", extra="ignore")
 
+    host_name: str = Field(
+        default_factory=socket.gethostname, min_length=1, max_length=200, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+        description="This host's name in the pool: in each run's infrastructure id, its ledger entry, its devices' "
+        "events, its published inventory and heartbeats. Default: the machine's hostname; give each e31 host on one "
+        "machine a name of its own (with its own E31_HOME and E31_DEVICE_LOCKS), as tests and benchmarks do.",
+    )
     gpus: str | None = Field(
         default=None,
         description="Declared GPU inventory (0:H100,1:H100 or 4xH100); NVML is asked when unset.",
@@ -38,6 +45,29 @@ class E31Settings(BaseSettings):
         description="Host-wide folder of device lock files, shared by every e31 worker on the host whatever its "
         "pool or E31_HOME, so a device is rented to one run at a time per host. It is 2770: the workers of its "
         "owner and its group share it (workers of several users: make it for a group they are in), no job opens it.",
+    )
+    host_lost_seconds: float = Field(
+        default=120.0, ge=0,
+        description="A pool setting (set it alike on its workers): a host whose workers and run supervisors have not "
+        "reached the Prefect API for this long is lost; any live worker of the pool ends its runs' attempts, billed "
+        "to its last heartbeat, and requeues them as new attempts where their deadlines allow. A supervisor cut off "
+        "for three quarters of it stops its work itself (fencing), so no run works in two places at once. 0: none.",
+    )
+    host_attempts: int = Field(
+        default=2, ge=1,
+        description="A pool setting: how many attempts a run may have in all when hosts are lost under it or its "
+        "GPU fails (each rented attempt counts; a loss before the rent does not). Its own Prefect retries are "
+        "kept for its own failures.",
+    )
+    gpu_health_command: str | None = Field(
+        default=None,
+        description="A command that checks one GPU, run for each device every E31_GPU_HEALTH_SECONDS ({index} and "
+        "{uuid} filled in, E31_GPU_INDEX set): a non-zero exit (or 30 s without one) drains the device, with its "
+        "last line of output as the reason, and the run on it ends DeviceFailed and is requeued. NVML's lost GPUs, "
+        "critical Xid events and uncorrected ECC errors drain a device too.",
+    )
+    gpu_health_seconds: float = Field(
+        default=30.0, gt=0, description="How often a pool's worker checks its GPUs' health.",
     )
     allowed_volumes: list[Path] = Field(
         default_factory=list,

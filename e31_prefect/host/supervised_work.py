@@ -71,7 +71,10 @@ class ProcessWork:
         self.log = folder.output_log
         self.ledger_folder = folder.path
         self.record = record
-        self.group = cgroups.RunGroup.create(f"run-{spec.run_id}", spec.memory_bytes, spec.pids_limit,
+        # Named by host too: two e31 hosts on one machine may hold attempts of one run (one lost, one new), and
+        # a fence keeper that kills its attempt's group must never reach the other's.
+        name = f"run-{spec.host}-{spec.run_id}" if spec.host else f"run-{spec.run_id}"
+        self.group = cgroups.RunGroup.create(name, spec.memory_bytes, spec.pids_limit,
                                              None if spec.cgroups else cgroups.Mounts())
         record.cgroup = str(self.group.v2) if self.group.v2 else None
         # No GPU node opens to the work until its hand-over, from its first instruction on.

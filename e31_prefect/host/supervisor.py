@@ -43,6 +43,7 @@ import select
 import selectors
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -53,6 +54,7 @@ from typing import Any
 
 from e31_prefect.host import fdtree
 from e31_prefect.host.gateway import Gateway, auth_header
+from e31_prefect.host.heartbeat import ApiVariables, Beating, fenced_at
 from e31_prefect.host.ledger import Record, RunFolder, Spec, append_line, moment, now, this_process
 from e31_prefect.host.supervised_work import ContainerWork, Exit, ProcessWork, Work
 from e31_prefect.job_entry import OUTCOMES, READY, UNREPORTED
@@ -137,6 +139,7 @@ class Supervisor:
         self.report_by: datetime | None = None
         self.ending = threading.Event()  # the work said it ended or is being stopped: its run may end (gateway)
         self.outputs_counted = time.monotonic()
+        self.beating: Beating | None = None  # the host's heartbeats and the run's fence lease
 
     def save(self) -> None:
         """Write the record as it stands."""
@@ -146,6 +149,7 @@ class Supervisor:
         """Start the work, hand it its devices, bound it, record its end. Returns the exit status (0)."""
         pipe = _open_pipe(self.folder.work_ended_pipe)
         gate = _open_gate(self.folder.hand_over_pipe)
+        self.beating = _fence(self.spec, self.folder)  # its keeper runs from before the work does
         try:
             infrastructure = self.work.start()
         except Exception as exc:
@@ -160,6 +164,8 @@ class Supervisor:
         self.save()
         # Served only once the work is started: a thread must not run while the work's process forks.
         gateway = _serve_gateway(self.spec, self.ending)
+        if self.beating is not None:
+            self.beating.start()
         try:
             if not self._hand_over(pipe, gate):
                 self._never_handed_over()
@@ -176,6 +182,8 @@ class Supervisor:
         finally:
             if gateway is not None:
                 gateway.close()
+            if self.beating is not None:
+                self.beating.stop.set()
         return 0
 
     def _hand_over(self, pipe: int, gate: int) -> bool:
@@ -209,6 +217,11 @@ class Supervisor:
                         os.read(self.wake, 512)
             if self.stop.is_set():
                 self.record.message = "cancelled before its devices were handed over"
+                return False
+            if self._cut_off():
+                self.record.message = (f"its host was cut off from the Prefect API for {self._fence_seconds():.0f} s "
+                                       "(the pool may have requeued the run elsewhere): stopped before its devices "
+                                       "were handed over")
                 return False
             exit_ = self.work.ended()
             if exit_ is not None:
@@ -286,7 +299,10 @@ class Supervisor:
         """Start a stop at the time limit, when asked, or when a job that said it ended never exits."""
         at = now()
         if self.record.stop_reason is None:
-            if self.stop.is_set():
+            if self._cut_off(at):
+                # Cut off from the API for its fence time: the pool requeues the run elsewhere at its lost time.
+                self._begin_stop("fenced", at, 0.0)
+            elif self.stop.is_set():
                 self._begin_stop("stop-requested", at, self.spec.grace_seconds)
             elif self.report_by is not None and at >= self.report_by:
                 self._begin_stop("report-overdue", at, 0.0)
@@ -297,6 +313,14 @@ class Supervisor:
         elif self.kill_at is not None and at >= self.kill_at:
             self.work.kill()
             self.kill_at = at + timedelta(seconds=KILL_RETRY_SECONDS)
+
+    def _cut_off(self, at: datetime | None = None) -> bool:
+        """Whether the run's fence lease ran out (its heartbeats have not reached the API for the fence time):
+        the work must stop, whether or not the keeper stopped it already."""
+        return self.beating is not None and self.beating.expired(at)
+
+    def _fence_seconds(self) -> float:
+        return self.beating.fence.total_seconds() if self.beating is not None else 0.0
 
     def _outputs_past_bounds(self) -> bool:
         """Where the output dir is no disk of its own (the kernel bounds one), whether the work wrote past its
@@ -330,8 +354,16 @@ class Supervisor:
         self.record.exited = exit_.at.isoformat()
         self.record.ended = self.work.stop_all().isoformat()
         self.record.exit_code = exit_.code
+        fenced = fenced_at(self.folder.path)
+        if fenced is not None and self.record.stop_reason in (None, "fenced"):
+            # Its keeper stopped it (this supervisor was stopped or hung meanwhile): from then on it did not run.
+            self.record.stop_reason, self.record.stop_requested = "fenced", fenced.isoformat()
         reason = self.record.stop_reason
-        if exit_.out_of_memory:
+        if reason == "fenced":
+            self.record.ending = "fenced"
+            self.record.message = (f"its host was cut off from the Prefect API for {self._fence_seconds():.0f} s: the "
+                                   "work was stopped, so that the pool could run it elsewhere")
+        elif exit_.out_of_memory:
             self.record.ending = "out-of-memory"
         elif reason == "time-limit":
             self.record.ending = "timed-out"
@@ -419,6 +451,23 @@ def _serve_gateway(spec: Spec, ending: threading.Event) -> Gateway | None:
     gateway.work_ending = ending
     gateway.serve()
     return gateway
+
+
+def _fence(spec: Spec, folder: RunFolder) -> Beating | None:
+    """The run's heartbeats (a thread, started once the work is) and its fence keeper (a process of its own, so
+    that the work stops at the lease's end even if this supervisor is stopped); None where the run has no
+    Prefect API or its pool judges no lost hosts (``E31_HOST_LOST_SECONDS=0``)."""
+    if not spec.api_upstream or not spec.host or spec.host_lost_seconds <= 0:
+        return None
+    from e31_prefect.model.attempts import beat_seconds, fence_seconds
+
+    api = ApiVariables(spec.api_upstream, auth_header(spec.api_key, spec.api_auth_string))
+    beating = Beating(folder.path, api, spec.host, spec.host_lost_seconds, beat_seconds(spec.host_lost_seconds),
+                      fence_seconds(spec.host_lost_seconds), Path(spec.host_beat_file) if spec.host_beat_file else None)
+    with open(folder.supervisor_log, "ab") as log:
+        subprocess.Popen([sys.executable, "-s", "-m", "e31_prefect.host.fence", str(folder.path)],
+                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log, close_fds=True, cwd="/")
+    return beating
 
 
 def _become_subreaper() -> None:

@@ -80,6 +80,23 @@ DISK_LIMIT = Ending("DiskLimit", "disk-limit", StateType.FAILED)
 TOO_MANY_OUTPUTS = Ending("TooManyOutputs", "too-many-outputs", StateType.FAILED)
 WORKER_FAILED = Ending("Crashed", "worker-failed", StateType.CRASHED)
 
+# Lost with its host, or on a GPU that failed (e31_prefect.model.attempts): not the job's fault. Billed to the host's
+# last heartbeat (the device's failure), then requeued as a new attempt (a Scheduled state of that name), or
+# ended so once the run's attempts are used.
+HOST_LOST = Ending("HostLost", "host-lost", StateType.SCHEDULED)
+DEVICE_FAILED = Ending("DeviceFailed", "device-failed", StateType.SCHEDULED)
+
+
+# An attempt the pool requeued while its host was cut off or lost: its host reports nothing of it (never a state).
+SUPERSEDED = Ending("Superseded", "superseded", StateType.SCHEDULED, billed=False)
+
+
+def lost(name: str, again: bool) -> Ending:
+    """The ending of an attempt lost under ``name`` (HostLost, DeviceFailed): requeued, or the run's end."""
+    ending = next(e for e in (HOST_LOST, DEVICE_FAILED) if e.name == name)
+    return ending if again else replace(ending, state=StateType.FAILED)
+
 ALL = (DEADLINE_MISSED, INVALID_JOB, STAGING_FAILED, NO_CONTAINER_ENGINE, HOST_CANNOT_RUN, OVER_QUOTA,
        HANDED_BACK, TIMED_OUT, CANCELLED, OUT_OF_MEMORY, PROCESS_DIED, CONTAINER_DIED, NOT_STARTED,
-       REPORTED_BY_WORKER, KEPT_RUNNING, OUTPUT_MISSING, OUTPUT_NOT_SENT, DISK_LIMIT, TOO_MANY_OUTPUTS, WORKER_FAILED)
+       REPORTED_BY_WORKER, KEPT_RUNNING, OUTPUT_MISSING, OUTPUT_NOT_SENT, DISK_LIMIT, TOO_MANY_OUTPUTS, WORKER_FAILED,
+       HOST_LOST, DEVICE_FAILED, SUPERSEDED)

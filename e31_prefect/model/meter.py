@@ -94,14 +94,21 @@ def tag_seconds(seconds: float) -> str:
     return f"{seconds:.0f}" if seconds >= 10 or seconds == 0 else f"{seconds:.1f}"
 
 
-def tags(meter: Meter, outcome: str | None = None) -> list[str]:
-    """The flow run's tags that carry the meter, e.g. ``e31:gpus=2``, ``e31:billed-s=3725``."""
+def tags(meter: Meter, outcome: str | None = None, attempt: int = 1, earlier_billed_seconds: float = 0.0) -> list[str]:
+    """The flow run's tags that carry the meter, e.g. ``e31:gpus=2``, ``e31:billed-s=3725``.
+
+    A run's later attempt (its host was lost) bills its earlier ones too: ``e31:billed-s`` is the run's whole
+    bill, ``e31:run-s`` this attempt's work (what its deployment's runs take is learned from it), and
+    ``e31:attempts=N`` says how many there were.
+    """
     result = [
         "e31",
         f"e31:gpus={meter.gpus}",
-        f"e31:billed-s={tag_seconds(meter.billed_seconds)}",
+        f"e31:billed-s={tag_seconds(meter.billed_seconds + earlier_billed_seconds)}",
         f"e31:run-s={tag_seconds(meter.run_seconds)}",
     ]
+    if attempt > 1:
+        result.append(f"e31:attempts={attempt}")
     if meter.team:
         result.append(f"e31:team={meter.team}")
     if outcome:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from e31_prefect.data.results import result_environment
 from e31_prefect.dirs import DATA_DIR_VARIABLE, OUTPUT_DIR_VARIABLE
+from e31_prefect.host.heartbeat import HOST_BEAT_FILE
 from e31_prefect.host.inventory import Device, visible_devices_env
 from e31_prefect.host.ledger import RunFolder, Spec
 
@@ -77,7 +78,9 @@ class Placement:
                     grace_seconds=self.settings.stop_grace_seconds,
                     report_grace_seconds=self.settings.report_grace_seconds,
                     memory_bytes=self.job.request.memory_bytes, pids_limit=DEFAULT_PIDS_LIMIT,
-                    cgroups=self.settings.cgroups, accounting=str(self.settings.accounting), **fields)
+                    cgroups=self.settings.cgroups, accounting=str(self.settings.accounting),
+                    host=self.settings.host_name, host_lost_seconds=self.settings.host_lost_seconds,
+                    host_beat_file=str(self.settings.home.expanduser() / HOST_BEAT_FILE), **fields)
 
 
 def _secret(value: Any) -> str | None:

@@ -2,7 +2,10 @@
 
 Owns the worker (:mod:`.worker`, its pool form and run configuration :mod:`.worker_configuration`, its
 backlog reading :mod:`.worker_backlog`), the life of one job (:mod:`.life`, :mod:`.life_terms`,
-:mod:`.life_watch`, :mod:`.life_sending`), reports as events, states, tags and artifacts
+:mod:`.life_watch`, :mod:`.life_sending`, its attempt :mod:`.life_attempts`, adoption :mod:`.life_adoption`),
+the pool's watch over its hosts (:mod:`.host_watch`, their heartbeats :mod:`.beats`, ending a lost attempt
+:mod:`.lost_attempts`, drained hosts and GPUs :mod:`.drains`, ``e31 hosts`` :mod:`.hosts_table`), reports as
+events, states, tags and artifacts
 (:mod:`.reporting`, :mod:`.plan_artifact`), the run states it watches (:mod:`.run_states`), pool and
 team quotas (:mod:`.quotas`), the published inventories (:mod:`.inventories`), the spool of outputs
 not sent (:mod:`.spool`), submissions (:mod:`.submission`), the ``@e31`` decorator (:mod:`.decorators`)

@@ -4,7 +4,8 @@
     e31 queue --pool gpu                          # reads those of the pool's ONLINE workers
 
 A worker writes one variable of its own, ``e31_inventory_<hash of pool and worker name>``, on each
-heartbeat: its devices, each free or held until a time. One variable per worker means no two
+heartbeat: its devices, each free, held until a time (and by which run), or drained (and why), with the
+worker's version and the time it wrote them (``e31 hosts``). One variable per worker means no two
 workers write the same one. Which workers are alive is Prefect's own word (a worker is ONLINE
 while its heartbeats arrive), so a dead worker's last inventory is never read.
 :func:`describe` and :func:`parse` are pure; :func:`publish` and :func:`read` are the API edges.
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
@@ -28,16 +29,22 @@ if TYPE_CHECKING:
     from prefect.client.orchestration import PrefectClient
 
 HELD = "held"  # held with no known end
+DRAINED = "drained"  # no new run rents it (e31_prefect.surface.drains)
 
 
 @dataclass(frozen=True)
 class HostInventory:
-    """One worker's devices as it last published them: free now, or busy until a time."""
+    """One worker's devices as it last published them: free now, busy until a time, or drained (neither)."""
 
     worker: str
     host: str
     free: list[Device]
     busy: list[Busy]
+    drained: dict[int, str] = field(default_factory=dict)  # index: why
+    holders: dict[int, str] = field(default_factory=dict)  # index: the flow run holding it
+    version: str = ""
+    at: str = ""  # when the worker published it
+    models: dict[int, str] = field(default_factory=dict)  # every device's model, drained ones too
 
 
 def variable_name(pool: str, worker: str) -> str:
@@ -46,30 +53,48 @@ def variable_name(pool: str, worker: str) -> str:
 
 
 def describe(pool: str, worker: str, host: str, devices: Sequence[Device],
-             holds_until: Mapping[Device, datetime | None]) -> dict[str, Any]:
-    """The published form: each device as ``[index, model, state]``, state ``free``, ``held`` or the ISO
-    time its hold ends; compact, as a variable holds at most 5,000 characters."""
+             holds_until: Mapping[Device, datetime | None], drained: Mapping[Device, str] | None = None,
+             holders: Mapping[Device, Any] | None = None, version: str = "", at: datetime | None = None,
+             ) -> dict[str, Any]:
+    """The published form: each device as ``[index, model, state, run]``, state ``free``, ``held``, the ISO
+    time its hold ends, or ``drained`` (why, under ``drained``); compact, as a variable holds at most 5,000
+    characters."""
     rows = []
+    drained, holders = drained or {}, holders or {}
     for device in devices:
-        if device not in holds_until:
-            state = "free"
-        else:
+        if device in holds_until:
             until = holds_until[device]
             state = HELD if until is None else until.isoformat()
-        rows.append([device.index, device.name, state])
-    return {"pool": pool, "worker": worker, "host": host, "devices": rows}
+        else:
+            state = DRAINED if device in drained else "free"
+        rows.append([device.index, device.name, state, str(holders[device]) if device in holders else ""])
+    value: dict[str, Any] = {"pool": pool, "worker": worker, "host": host, "devices": rows}
+    if drained:
+        value["drained"] = {str(d.index): reason[:200] for d, reason in drained.items()}
+    if version:
+        value["version"] = version
+    if at is not None:
+        value["at"] = at.isoformat()
+    return value
 
 
 def parse(value: Mapping[str, Any]) -> HostInventory:
     """A published inventory back as devices free now and devices busy until a time."""
-    free, busy = [], []
-    for index, name, state in value.get("devices", []):
+    free, busy, holders, models = [], [], {}, {}
+    for row in value.get("devices", []):
+        index, name, state = row[:3]
         device = Device(int(index), str(name))
+        models[device.index] = device.name
+        if len(row) > 3 and row[3]:
+            holders[device.index] = str(row[3])
         if state == "free":
             free.append(device)
-        else:
+        elif state != DRAINED:  # a drained device is neither: no run will rent it
             busy.append(Busy(device, None if state == HELD else datetime.fromisoformat(state)))
-    return HostInventory(worker=str(value.get("worker", "")), host=str(value.get("host", "")), free=free, busy=busy)
+    drained = {int(index): str(why) for index, why in (value.get("drained") or {}).items()}
+    return HostInventory(worker=str(value.get("worker", "")), host=str(value.get("host", "")), free=free, busy=busy,
+                         drained=drained, holders=holders, version=str(value.get("version", "")),
+                         at=str(value.get("at", "")), models=models)
 
 
 async def publish(client: PrefectClient, pool: str, worker: str, value: dict[str, Any]) -> None:
@@ -83,11 +108,12 @@ async def publish(client: PrefectClient, pool: str, worker: str, value: dict[str
         await client.create_variable(VariableCreate(name=name, value=value, tags=["e31-inventory"]))
 
 
-async def read(client: PrefectClient, pool: str) -> list[HostInventory]:
-    """The inventories of ``pool``'s ONLINE workers (a worker that publishes none is left out)."""
+async def read(client: PrefectClient, pool: str, online_only: bool = True) -> list[HostInventory]:
+    """The inventories of ``pool``'s ONLINE workers (every worker's with ``online_only`` False; a worker that
+    publishes none is left out)."""
     found = []
     for worker in await client.read_workers_for_work_pool(pool):
-        if str(getattr(worker.status, "value", worker.status)).upper() != "ONLINE":
+        if online_only and str(getattr(worker.status, "value", worker.status)).upper() != "ONLINE":
             continue
         variable = await client.read_variable_by_name(variable_name(pool, worker.name))
         if variable is not None and isinstance(variable.value, dict):

@@ -24,10 +24,10 @@ import contextlib
 import dataclasses
 import functools
 import os
+import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from datetime import datetime, timedelta
-from pathlib import Path
 from typing import Any
 from uuid import UUID
 
@@ -45,9 +45,9 @@ from e31_prefect.data.staging import (
 )
 from e31_prefect.flows.command_flow import COMMAND_FLOW_ENTRYPOINT
 from e31_prefect.flows.flow_shards import FLOW_SHARDS_ENTRYPOINT
-from e31_prefect.host import cgroups, disk, output_bounds
+from e31_prefect.host import disk, output_bounds
 from e31_prefect.host.inventory import Device, gpu_minors
-from e31_prefect.host.ledger import Holding, Record, RunFolder, now, output_tail, this_process
+from e31_prefect.host.ledger import Holding, Record, now, output_tail, this_process
 from e31_prefect.host.output_bounds import OutputBounds
 from e31_prefect.host.supervision import Supervisor
 from e31_prefect.model import endings, shards, timing
@@ -56,6 +56,8 @@ from e31_prefect.model.job import Job
 from e31_prefect.model.meter import Meter
 from e31_prefect.runtimes import Placement, Runtime, hand_over_environment
 from e31_prefect.surface import quotas, reporting
+from e31_prefect.surface.life_adoption import Adoption
+from e31_prefect.surface.life_attempts import Attempts
 from e31_prefect.surface.life_sending import Sending
 from e31_prefect.surface.life_terms import (
     Ends,
@@ -65,7 +67,6 @@ from e31_prefect.surface.life_terms import (
     RunRefused,
     admitted,
     infrastructure_id,
-    meter_from,
     never_ready,
     scheduled_start,
     transient,
@@ -88,7 +89,7 @@ def runtime_for(job: Job, worker: Any, configuration: Any) -> Runtime:
     return ProcessRuntime(worker.settings, configuration)
 
 
-class JobLife(Sending, Watching):
+class JobLife(Adoption, Attempts, Sending, Watching):
     """The life of one job on this host, from taking the run to closing its meter."""
 
     def __init__(self, worker: LifeWorker, flow_run: FlowRun, configuration: LifeConfiguration | None,
@@ -100,7 +101,7 @@ class JobLife(Sending, Watching):
         self.task_status = task_status
         self.log = worker.get_flow_run_logger(flow_run)
         related = worker._event_related_resources(configuration=configuration) if configuration else []
-        self.report = reporting.JobReport(worker.client, flow_run, related)
+        self.report = reporting.JobReport(worker.client, flow_run, related, worker.settings.host_name)
         self.meter = worker.meters.setdefault(flow_run.id, Meter())
         self.folder = worker.ledger.folder(str(flow_run.id))
         self.workspace = worker.settings.workspaces / str(flow_run.id)
@@ -117,6 +118,14 @@ class JobLife(Sending, Watching):
         self._owner = owner  # the run's owner lock in the ledger folder, from taking the run to release
         self.bounds: OutputBounds | None = None  # what it may write and send (admit, or its ledger entry)
         self._passed: Ending | None = None  # a bound the worker's watch stopped the work for
+        # This attempt of the run (e31_prefect.surface.life_attempts): the Pending state its worker took it with,
+        # when, its number, and whether the pool requeued the run since (then nothing of it is reported).
+        self.taken: str | None = worker.taken_states.pop(flow_run.id, None)
+        self.taken_at = time.monotonic()
+        self.attempt = self.attempt_of(flow_run)
+        self.superseded = False
+        self.supervisor_died = False  # adopted: its supervisor died with its work (its host went down)
+        self.device_failure: tuple[int, str, datetime] | None = None  # a GPU of it failed: its work was stopped
 
     # -- the whole life ---------------------------------------------------------------------------
 
@@ -183,7 +192,7 @@ class JobLife(Sending, Watching):
                     self._save()
                     supervisor = await held.enter_async_context(self.prepare(job, runtime, rental.devices))
                 await self.hand_over(job, supervisor, rental)
-                await held.enter_async_context(self.watching(supervisor))
+                await held.enter_async_context(self.watching(supervisor, labelled=True))
                 record = await supervisor.wait()
             runtime.ended()
             if record is not None and record.ending == "not-started" and self.start_error:
@@ -191,6 +200,10 @@ class JobLife(Sending, Watching):
             self.log.info("Work ended (%s, exit code %s); devices %s back in the pool",
                           record.ending if record else "no record", record.exit_code if record else "?",
                           [d.index for d in self.devices] or "none")
+            if (lost := await self.lost_here(record)) is not None:
+                return lost  # its fence stopped it: this host was cut off
+            if not await self.still_ours():
+                return self.stand_down()  # requeued while this worker was cut off or stopped
             return await self.after_work(job, record, runtime.died)
 
     async def _leave(self) -> None:
@@ -233,6 +246,15 @@ class JobLife(Sending, Watching):
         except ValueError as exc:
             raise Ends(endings.INVALID_JOB.saying(f"The run's worker settings are not valid:\n{exc}")) from None
         self._destination(job)  # a destination the run may not write ends it here, before anything is held
+        code = getattr(self.configuration, "code_mount", lambda: None)() if job.work.image else None
+        home = self.worker.settings.home.expanduser().resolve()
+        if code is not None and (home == code.resolve() or code.resolve() in home.parents):
+            # A process job is shown its own workspace there and nothing else (e31_prefect.host.sandbox); a
+            # container is given the whole folder, and one run as root would read every run's files in it.
+            raise Ends(endings.INVALID_JOB.saying(
+                f"The job's code folder {code}, which its container sees, holds this worker's E31_HOME ({home}): "
+                "every run's workspace and kept outputs are there. Move E31_HOME out of it (set E31_HOME on the "
+                "worker), or the job's files into a folder of their own. No GPU was rented."))
         deadline = timing.resolve_deadline(job.request.deadline, scheduled_start(self.flow_run), job.tz)
         latest = timing.latest_start(deadline, job.admission_duration)
         # A run the poll took on its predicted length (e31_prefect.model.prediction) is judged on it here too.
@@ -285,6 +307,8 @@ class JobLife(Sending, Watching):
         supervisor, which holds their locks too, has ended). A worker that is stopping keeps the
         slots' lease for the worker that adopts the run.
         """
+        if not await self.still_ours():  # this worker was cut off or stopped as the run loaded: the pool requeued it
+            raise Ends(self.stand_down())
         inventory = self.worker.inventory
         # From what is free now: the run held nothing as its work loaded. None fits: back to the pool, unbilled.
         devices = inventory.choose(self.run_id, job.request.gpus, job.request.gpu_type)
@@ -333,7 +357,9 @@ class JobLife(Sending, Watching):
         if self.folder.holding() is None:
             pid, started = this_process()
             self.folder.write_holding(Holding(flow_run_id=str(self.run_id), worker_pid=pid, worker_started=started,
-                                              job_name=self.job_name, devices=[], workspace=str(self.workspace)))
+                                              job_name=self.job_name, devices=[], workspace=str(self.workspace),
+                                              host=self.worker.settings.host_name, taken=self.taken,
+                                              attempt=self.attempt))
 
     def _write_holding(self, job: Job, runtime: Runtime, stop_at: datetime | None) -> None:
         pid, started = this_process()
@@ -344,7 +370,8 @@ class JobLife(Sending, Watching):
             destination=self._destination(job), lease=str(self.lease) if self.lease else None,
             runtime=runtime.name, gpus=len(self.devices), team=job.team, storage=job.storage,
             stop_at=stop_at.isoformat() if stop_at else None,
-            output_bounds=dataclasses.asdict(self.bounds) if self.bounds else {})
+            output_bounds=dataclasses.asdict(self.bounds) if self.bounds else {}, host=self.worker.settings.host_name,
+            taken=self.taken, attempt=self.attempt)
         self._save()
 
     def _save(self) -> None:
@@ -416,12 +443,12 @@ class JobLife(Sending, Watching):
         for note in record.notes:
             self.log.warning("Supervisor: %s", note)
         self.report.step("running", self.devices, infrastructure=str(record.infrastructure))
-        self._signal_started(infrastructure_id(self.run_id))
+        self._signal_started(infrastructure_id(self.run_id, self.worker.settings.host_name))
 
     # -- release ----------------------------------------------------------------------------------
 
     async def _set_state(self, ending: Ending | None) -> None:
-        if ending is None:
+        if ending is None or self.superseded:  # an attempt the pool requeued says nothing of the run
             return
         if ending.handed_back:
             self.log.warning(ending.message)
@@ -495,100 +522,3 @@ class JobLife(Sending, Watching):
         if not self._started:
             self._started = True
             self.task_status.started(value)
-
-    # -- adoption ---------------------------------------------------------------------------------
-
-    @classmethod
-    async def adopt(cls, worker: LifeWorker, folder: RunFolder, owner: int) -> Ending | None:
-        """Finish the life of a run whose worker died, from the step its ledger folder reached.
-
-        ``owner``: the run's owner lock, taken by the adopting worker.
-        """
-        holding = folder.holding()
-        try:
-            flow_run = await worker.client.read_flow_run(UUID(folder.run_id))
-        except (ObjectNotFound, ValueError):
-            flow_run = None
-        if holding is None or flow_run is None:
-            _stop_leftovers(folder)
-            worker.ledger.forget(folder.run_id)
-            os.close(owner)
-            return None
-        life = cls(worker, flow_run, None, owner=owner)
-        life.job_name, life.holding = holding.job_name, holding
-        life.workspace = Path(holding.workspace)
-        life.lease = UUID(holding.lease) if holding.lease else None
-        with contextlib.suppress(TypeError):
-            life.bounds = OutputBounds(**holding.output_bounds) if holding.output_bounds else None
-        life.meter = meter_from(holding, folder.record(), worker.settings.stop_grace_seconds)
-        life.log.warning("Adopting this run, left by a worker that is gone (pid %s)", holding.worker_pid)
-        if "rented" not in holding.marks:  # never handed its devices: its supervisor, if any, ends the work
-            with anyio.move_on_after(60):
-                await Supervisor(folder).wait()
-            _stop_leftovers(folder)  # and whatever a supervisor that died first left
-            ending = await life._never_started()
-        else:
-            ending = await life._resume(folder, Job.model_validate(holding.job))
-        # The slots go back with the devices, before the meter is recorded, as in a run's own life:
-        # a worker stopped once the run's tags are written holds nothing of it.
-        await life._release_lease()
-        await life.release(ending)
-        return ending
-
-    async def _never_started(self) -> Ending | None:
-        """Taken (perhaps rented), never handed its devices: nothing of the job ran. The run goes back to the
-        pool."""
-        state = await self._flow_state()
-        if state is not None and state.is_final():
-            return None
-        ending = endings.HANDED_BACK.saying("The e31 worker that took it is gone; nothing of it ran. Rescheduled.")
-        await self._set_state(ending)
-        return ending
-
-    async def _resume(self, folder: RunFolder, job: Job) -> Ending | None:
-        try:
-            self.storage = await load_job_storage(job.storage, job.team) if job.storage else None
-            self.options = self.storage.fsspec_options() if self.storage else None
-        except StorageBlockError as exc:
-            self.log.warning("Outputs of this run may go to the spool: %s", exc)
-        supervisor = Supervisor(folder)
-        if supervisor.alive():
-            async with self.watching(supervisor):
-                record = await supervisor.wait()
-        else:
-            record = folder.record()
-            if record is None or not record.finished:
-                # The supervisor itself died: whatever it left runs unbounded, so it goes now.
-                _stop_leftovers(folder)
-                record = record or Record()
-                record.ended, record.ending = now().isoformat(), "exited"
-                record.message = "the run's supervisor died; its work was stopped by the adopting worker"
-        if record.ending == "not-started" and not record.started:
-            return await self._never_started()  # its worker died between the rent and the hand-over
-        self.devices = [Device(index, "GPU") for index in (self.holding.devices if self.holding else [])]
-        died = endings.CONTAINER_DIED if self.holding and self.holding.runtime == "container" else \
-            endings.PROCESS_DIED
-        if "output" in self.meter.marks:
-            return None
-        return await self.after_work(job, record, died)
-
-
-def _stop_leftovers(folder: RunFolder) -> None:
-    """Kill what a run whose supervisor is gone left running: its cgroup, or its container."""
-    record = folder.record()
-    holding = folder.holding()
-    if record is not None:
-        cgroups.kill_path(record.cgroup)
-    if holding is not None and holding.runtime == "container":
-        with contextlib.suppress(Exception):
-            import docker
-            from e31_prefect.runtimes.container import RUN_LABEL
-
-            client = docker.from_env(timeout=30)
-            try:
-                for container in client.containers.list(
-                        all=True, filters={"label": f"{RUN_LABEL}={folder.run_id}"}):
-                    container.remove(force=True)
-            finally:
-                client.close()
-

@@ -5,7 +5,6 @@ ended and its meter from the ledger; and what it needs of the worker that lives 
 from __future__ import annotations
 
 import dataclasses
-import socket
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -97,12 +96,13 @@ def judge(record: Record | None, flow_state: State | None, died: Ending, job: Jo
                        "were kept." + (f" Its last output:\n{tail}" if tail else ""))
 
 
-def infrastructure_id(flow_run_id: UUID | str) -> str:
-    """How e31 names a run's infrastructure to Prefect (``infrastructure_pid``): its host and flow run.
+def infrastructure_id(flow_run_id: UUID | str, host: str) -> str:
+    """How e31 names a run's infrastructure to Prefect (``infrastructure_pid``): its host (``E31_HOST_NAME``)
+    and flow run.
 
     The run's supervisor is found from these, whatever the runtime, by the worker's kill_infrastructure.
     """
-    return f"e31:{socket.gethostname()}:{flow_run_id}"
+    return f"e31:{host}:{flow_run_id}"
 
 
 def parse_infrastructure_id(text: str) -> tuple[str, str]:
@@ -154,6 +154,8 @@ class LifeWorker(Protocol):
     run_states: RunStates
     holds_until: dict[UUID, datetime]
     admitted_latest: dict[UUID, datetime]
+    taken_states: dict[UUID, str]
+    failed_devices: dict[int, tuple[str, datetime]]
     at_keyboard: bool
     _only_flow_run_ids: set[UUID] | None
     _work_pool_name: str
@@ -165,6 +167,12 @@ class LifeWorker(Protocol):
     def rented(self, run_id: UUID, at: datetime) -> None: ...
 
     def return_devices(self, flow_run_id: UUID) -> None: ...
+
+    def maybe_superseded(self, since: float) -> bool: ...
+
+    async def superseded(self, run_id: UUID, taken: str | None) -> bool: ...
+
+    async def lose_attempt(self, run_id: UUID, loss: Any) -> Any: ...
 
 
 class LifeConfiguration(Protocol):

@@ -30,14 +30,17 @@ class Watching:
     """The part of :class:`e31_prefect.surface.life.JobLife` that watches the work while it runs."""
 
     @asynccontextmanager
-    async def watching(self, supervisor: Supervisor) -> AsyncIterator[None]:
+    async def watching(self, supervisor: Supervisor, labelled: bool = False) -> AsyncIterator[None]:
         """While the work runs: stop it when the run is cancelled, and keep the quota lease renewed.
 
-        A worker run by ``e31 run`` also shows the work's output as it comes.
+        A worker run by ``e31 run`` also shows the work's output as it comes. ``labelled``: the run is labelled
+        with its hand-over first (for the pool, should this host be lost).
         """
         echo = OutputEcho(self.folder.output_log) if self.worker._only_flow_run_ids is not None else None
         async with anyio.create_task_group() as watchers:
             watchers.start_soon(self._watch, supervisor)
+            if labelled:
+                watchers.start_soon(self.label_rent)
             if echo is not None:
                 watchers.start_soon(echo.follow)
             try:
@@ -58,6 +61,11 @@ class Watching:
             with contextlib.suppress(OSError):  # a folder the job removes while it is counted: counted next time
                 if self._passed is None and await self._over_bounds():
                     supervisor.stop()
+            if self.device_failure is None and (failed := self.failed_device()) is not None:
+                # Its GPU failed its health check: the run is requeued (e31_prefect.surface.life_attempts).
+                self.device_failure = failed
+                self.log.error("GPU %s failed (%s): stopping the work; the run is requeued", failed[0], failed[1])
+                supervisor.stop()
             with contextlib.suppress(Exception):
                 state = await self.worker.run_states.state(self.run_id)  # one read for all runs here
                 if state is not None and state.is_cancelling():

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 from collections.abc import Sequence
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -22,7 +21,7 @@ from prefect.events import Event, RelatedResource, emit_event
 from prefect.states import Cancelled, Completed, Crashed, Failed, Scheduled, State
 
 from e31_prefect.host.inventory import Device
-from e31_prefect.model import endings
+from e31_prefect.model import attempts, endings
 from e31_prefect.model import meter as metering
 from e31_prefect.model.endings import Ending
 
@@ -35,7 +34,7 @@ def state_of(ending: Ending) -> State:
     """The Prefect state a run that ends this way gets."""
     if ending.state is StateType.SCHEDULED:
         at = datetime.now(timezone.utc) + timedelta(seconds=ending.retry_in_seconds)
-        return Scheduled(scheduled_time=at, message=ending.message)
+        return Scheduled(scheduled_time=at, message=ending.message, name=ending.name)
     if ending.state is StateType.CANCELLED:
         return Cancelled(message=ending.message)
     if ending.state is StateType.CRASHED:
@@ -45,9 +44,8 @@ def state_of(ending: Ending) -> State:
     return Failed(name=ending.name, message=ending.message)
 
 
-def device_resources(devices: Sequence[Device], host: str | None = None) -> list[RelatedResource]:
+def device_resources(devices: Sequence[Device], host: str) -> list[RelatedResource]:
     """The rented GPUs as related resources of an event: ``e31.gpu.<host>.<index>``."""
-    host = host or socket.gethostname()
     return [
         RelatedResource.model_validate({
             "prefect.resource.id": f"e31.gpu.{host}.{d.index}",
@@ -66,10 +64,11 @@ def artifact_key(prefix: str, name: str) -> str:
 class JobReport:
     """Reports the steps of one flow run's life as events, states and, at the end, its meter."""
 
-    def __init__(self, client: PrefectClient, flow_run: FlowRun, related: list[RelatedResource]):
+    def __init__(self, client: PrefectClient, flow_run: FlowRun, related: list[RelatedResource], host: str):
         self.client = client
         self.flow_run = flow_run
         self.related = related
+        self.host = host  # the host's name (E31_HOST_NAME): its devices are e31.gpu.<host>.<index>
         self._last: Event | None = None
 
     def step(self, step: str, held: Sequence[Device] = (), **payload: Any) -> None:
@@ -80,7 +79,7 @@ class JobReport:
                 "prefect.resource.id": f"prefect.flow-run.{self.flow_run.id}",
                 "prefect.resource.name": self.flow_run.name,
             },
-            related=[*self.related, *device_resources(held)],
+            related=[*self.related, *device_resources(held, self.host)],
             payload=payload,
             follows=self._last,
         )
@@ -101,17 +100,25 @@ class JobReport:
     async def close(
         self, meter: metering.Meter, job_name: str, outcome: str | None, outputs: str | None
     ) -> None:
-        """Record the closed meter: tags, a table artifact and a link artifact to the outputs."""
+        """Record the closed meter: tags, a table artifact and a link artifact to the outputs.
+
+        Each attempt of the run (a lost host's, then its requeue's: its ``e31.attempt`` label) has a meter
+        table of its own, ``e31-meter-<job>`` then ``e31-meter-<job>-attempt-<n>``; the tags bill them all.
+        """
         current = await self.client.read_flow_run(self.flow_run.id)
-        tags = [t for t in current.tags if not t.startswith("e31")] + metering.tags(meter, outcome)
+        labels = getattr(current, "labels", None) or {}
+        attempt = attempts.attempt_of(labels)
+        tags = [t for t in current.tags if not t.startswith("e31")] + metering.tags(
+            meter, outcome, attempt, attempts.earlier_billed(labels))
         await self.client.update_flow_run(self.flow_run.id, tags=tags)
         await self.client.create_artifact(ArtifactCreate(
-            key=artifact_key("e31-meter", job_name),
+            key=artifact_key("e31-meter", job_name if attempt == 1 else f"{job_name}-attempt-{attempt}"),
             type="table",
             # The UI's artifact card shows only the first ~45 characters: the bill comes first.
             description=f"{meter.billed_gpu_seconds:.3f} GPU-seconds billed: {meter.gpus} GPU(s) x "
             f"{meter.billed_seconds:.3f} s of rent and run"
-            + (f", team {meter.team}" if meter.team else "") + f" (E31 meter of {job_name})",
+            + (f", team {meter.team}" if meter.team else "")
+            + (f" (E31 meter of {job_name}, attempt {attempt})" if attempt > 1 else f" (E31 meter of {job_name})"),
             data=json.dumps(metering.table(meter)),
             flow_run_id=self.flow_run.id,
         ))

@@ -17,9 +17,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import importlib.metadata
 import os
 import signal
-import socket
 from datetime import datetime, timedelta, timezone
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
@@ -29,8 +29,9 @@ import anyio
 import anyio.abc
 from prefect.client.schemas.objects import FlowRun
 from prefect.context import TagsContext
-from prefect.exceptions import InfrastructureNotAvailable, InfrastructureNotFound
+from prefect.exceptions import Abort, InfrastructureNotAvailable, InfrastructureNotFound
 from prefect.states import Pending
+from prefect.utilities.engine import propose_state
 from prefect.workers.base import BaseWorkerResult
 from prefect_docker.worker import DockerWorker
 
@@ -40,13 +41,14 @@ from e31_prefect.host.inventory import Inventory, discover
 from e31_prefect.host.ledger import Holding, Ledger, RunFolder, this_process
 from e31_prefect.host.settings import E31Settings
 from e31_prefect.host.supervision import Supervisor
-from e31_prefect.model import endings
+from e31_prefect.model import attempts, endings
 from e31_prefect.model.meter import Meter
 from e31_prefect.planning import backlog
 from e31_prefect.planning.backlog_watch import WatchedBacklog
 from e31_prefect.planning.run_history import RunHistory
 from e31_prefect.planning.scheduling import Busy, WaitingQueue, WaitingRun, decide
 from e31_prefect.surface import inventories, plan_artifact
+from e31_prefect.surface.host_watch import HostWatching
 from e31_prefect.surface.life import JobLife
 from e31_prefect.surface.life_terms import infrastructure_id, parse_infrastructure_id
 from e31_prefect.surface.run_states import RunStates, read_states
@@ -55,6 +57,11 @@ from e31_prefect.surface.worker_configuration import E31JobConfiguration, E31Var
 
 if TYPE_CHECKING:
     from prefect.client.schemas.responses import WorkerFlowRunResponse
+
+try:
+    VERSION = importlib.metadata.version("e31-prefect")
+except importlib.metadata.PackageNotFoundError:  # a checkout run without installing it
+    VERSION = "unknown"
 
 # How long a poll's plan for a run whose work loads (holding nothing) is left to it by the next polls: past it
 # the run delays no other; it rents from what is free once ready, or goes back to the pool (e31_prefect.surface.life).
@@ -65,7 +72,7 @@ class E31WorkerResult(BaseWorkerResult):
     """How a flow run's infrastructure ended."""
 
 
-class E31Worker(BacklogReading, DockerWorker):
+class E31Worker(HostWatching, BacklogReading, DockerWorker):
     """Runs E31 jobs on this host's GPUs: stage, rent, run, output, release, metered."""
 
     type = "e31"
@@ -117,6 +124,7 @@ class E31Worker(BacklogReading, DockerWorker):
         self._last_waiting: tuple[list[WorkerFlowRunResponse], Any, dict[UUID, Any]] | None = None
         self._queued: dict[UUID, Any] | None = None  # the evaluation the waiting queue was last synced to
         self._owners: dict[UUID, int] = {}  # ledger owner locks of runs taken but not yet lived
+        self._init_host_watch()
 
     # -- starting and stopping --------------------------------------------------------------------
 
@@ -167,9 +175,13 @@ class E31Worker(BacklogReading, DockerWorker):
         except Exception as exc:  # the worker runs jobs without it; only the UI's block catalog misses it
             self._logger.warning("Could not register the E31 Storage block type: %s", exc)
         self.adopt_orphans()
+        if self._serving and self._runs_task_group is not None:
+            # This host's heartbeat, its GPUs' health and drains; the pool's lost hosts.
+            self._runs_task_group.start_soon(self.watch_hosts)
 
     async def teardown(self, *exc_info: Any) -> None:
-        """Stop following the pool's events, then Prefect's teardown."""
+        """Stop following the pool's events and watching the hosts, then Prefect's teardown."""
+        self.stop_watching_hosts()
         if self.backlog_watch is not None:
             self.backlog_watch.close()
             self.backlog_watch = None
@@ -194,14 +206,15 @@ class E31Worker(BacklogReading, DockerWorker):
         on each heartbeat. Only a pool's worker publishes: ``e31 run`` and ``@e31`` serve one run."""
         if not self._serving or self._work_pool is None:
             return
-        free = set(self.inventory.free())
+        free, drained = set(self.inventory.free()), self.inventory.drained()
         taken = {**self.inventory.planned(), **self.inventory.holders()}  # a loading run's plan, as the poll's
         holds: dict[Any, datetime | None] = {device: self.planned_end(holder) for device, holder in taken.items()}
         for device in self.inventory.devices:
-            if device not in free and device not in holds:
+            if device not in free and device not in holds and device not in drained:
                 holds[device] = None  # held by another process on this host, end unknown
-        value = inventories.describe(self._work_pool_name, self.name, socket.gethostname(),
-                                     self.inventory.devices, holds)
+        value = inventories.describe(self._work_pool_name, self.name, self.settings.host_name,
+                                     self.inventory.devices, holds, drained, taken, VERSION,
+                                     datetime.now(timezone.utc))
         try:
             await inventories.publish(self.client, self._work_pool_name, self.name, value)
         except Exception as exc:  # only `e31 queue` misses it; the worker works without
@@ -215,7 +228,7 @@ class E31Worker(BacklogReading, DockerWorker):
         if self._runs_task_group is None or self._stopping or not self._serving:
             return []
         adopted = []
-        for folder, owner in self.ledger.claim_orphans():
+        for folder, owner in self.ledger.claim_orphans(self.settings.host_name):
             self._living.add(UUID(folder.run_id))
             self._runs_task_group.start_soon(self._adopt, folder, owner)
             adopted.append(folder.run_id)
@@ -316,8 +329,8 @@ class E31Worker(BacklogReading, DockerWorker):
         queues = await self._pool_queues()
         responses = await self._backlog(queues)
         waiting = await self._waiting_runs(responses, queues)
-        return {r.flow_run.id: (waiting[r.flow_run.id][0], r.flow_run.name, waiting[r.flow_run.id][1])
-                for r in responses}
+        return {r.flow_run.id: (waiting[r.flow_run.id][0], attempts.shown_name(r.flow_run.name, r.flow_run.labels),
+                                 waiting[r.flow_run.id][1]) for r in responses}
 
     def planned_end(self, run_id: UUID) -> datetime | None:
         """When a run holding devices here is planned to let them go: its predicted end if sooner, else its limit."""
@@ -338,7 +351,8 @@ class E31Worker(BacklogReading, DockerWorker):
     async def _propose_pending_state(self, flow_run: FlowRun) -> bool:
         """Take the run in this host's ledger before Prefect marks it Pending: if this worker dies before
         the run starts, the next worker on the host hands it back to the pool (Prefect would keep it
-        Pending for ever)."""
+        Pending for ever). The Pending state is the attempt's own: a requeue after it (its host lost) tells
+        this attempt, from the run's history, that the run is no longer its (:meth:`superseded`)."""
         folder = self.ledger.folder(str(flow_run.id))
         owner = folder.own()
         if owner is None:
@@ -346,12 +360,32 @@ class E31Worker(BacklogReading, DockerWorker):
         pid, started = this_process()
         folder.write_holding(Holding(flow_run_id=str(flow_run.id), worker_pid=pid, worker_started=started,
                                      job_name=flow_run.name, devices=[],
-                                     workspace=str(self.settings.workspaces / str(flow_run.id))))
+                                     workspace=str(self.settings.workspaces / str(flow_run.id)),
+                                     host=self.settings.host_name))
         self._owners[flow_run.id] = owner
-        if await super()._propose_pending_state(flow_run):
+        taken = await self._propose_pending(flow_run)
+        if taken is not None:
+            self.taken_states[flow_run.id] = taken
             return True
         self._drop_claim(flow_run.id)
         return False
+
+    async def _propose_pending(self, flow_run: FlowRun) -> str | None:
+        """Prefect's own proposal of Pending (as its worker makes it), keeping the state's id; None: not taken."""
+        run_logger = self.get_flow_run_logger(flow_run)
+        try:
+            state = await propose_state(self.client, Pending(), flow_run_id=flow_run.id)
+        except Abort as exc:
+            run_logger.info(f"Aborted submission of flow run '{flow_run.id}'. Server sent an abort signal: {exc}")
+            return None
+        except Exception:
+            run_logger.exception(f"Failed to update state of flow run '{flow_run.id}'")
+            return None
+        if not state.is_pending():
+            run_logger.info(f"Aborted submission of flow run '{flow_run.id}': Server returned a non-pending state "
+                            f"{state.type.value!r}")
+            return None
+        return str(state.id)
 
     def _drop_claim(self, flow_run_id: UUID) -> None:
         """A run this worker took in its ledger but never lived: forget it."""
@@ -365,13 +399,23 @@ class E31Worker(BacklogReading, DockerWorker):
         # another worker won: the devices planned or held for it go back too, and a claim never lived.
         self.return_devices(flow_run_id)
         self._drop_claim(flow_run_id)
+        self.taken_states.pop(flow_run_id, None)
         super()._release_limit_slot(flow_run_id)
 
     async def _give_worker_labels_to_flow_run(self, flow_run_id: UUID) -> None:
-        # Labels only name this worker on the run: a Prefect API too busy to set them now must not
-        # fail the run before it starts (Prefect's own worker reports it crashed).
+        # Prefect's labels name this worker on the run; a pool's worker adds its host's (the pool ends the run's
+        # attempt if that host is lost) and clears an earlier attempt's hand-over. A Prefect API too busy to set
+        # them now must not fail the run before it starts (Prefect's own worker reports it crashed): a run
+        # without its host's label is one the pool never judges lost.
+        labels: dict[str, Any] = {"prefect.worker.name": self.name, "prefect.worker.type": self.type}
+        if self._work_pool is not None:
+            labels.update({"prefect.work-pool.name": self._work_pool.name,
+                           "prefect.work-pool.id": str(self._work_pool.id)})
+        if self._serving:  # `e31 run` and @e31 live their own run, and keep no heartbeat while they stage it
+            labels.update({attempts.HOST_LABEL: self.settings.host_name, attempts.RENTED_LABEL: "",
+                           attempts.LEASE_LABEL: ""})
         try:
-            await super()._give_worker_labels_to_flow_run(flow_run_id)
+            await self.client.update_flow_run_labels(flow_run_id, labels)
         except Exception as exc:
             self._logger.warning("Could not label flow run %s with this worker: %s", flow_run_id, exc)
 
@@ -431,9 +475,9 @@ class E31Worker(BacklogReading, DockerWorker):
         stops the work (SIGTERM, then SIGKILL after its grace, or docker stop, kill, remove).
         """
         host, run_id = parse_infrastructure_id(infrastructure_pid)
-        if host != socket.gethostname():
+        if host != self.settings.host_name:
             raise InfrastructureNotAvailable(f"flow run {run_id} runs on host {host!r}; this worker is on "
-                                             f"{socket.gethostname()!r}")
+                                             f"{self.settings.host_name!r}")
         supervisor = Supervisor(self.ledger.folder(run_id))
         if not supervisor.alive():
             raise InfrastructureNotFound(f"flow run {run_id} has no running work on this host")
@@ -458,4 +502,5 @@ class E31Worker(BacklogReading, DockerWorker):
         finally:
             self._living.discard(flow_run.id)
         failed = ending is not None and ending.is_(endings.WORKER_FAILED)
-        return E31WorkerResult(status_code=1 if failed else 0, identifier=infrastructure_id(flow_run.id))
+        return E31WorkerResult(status_code=1 if failed else 0,
+                               identifier=infrastructure_id(flow_run.id, self.settings.host_name))

@@ -17,7 +17,7 @@ from uuid import UUID
 from prefect.client.schemas.objects import FlowRun
 from prefect.exceptions import ObjectNotFound
 
-from e31_prefect.model import endings, timing
+from e31_prefect.model import attempts, endings, timing
 from e31_prefect.model.job import Job
 from e31_prefect.model.job_values import job_name
 from e31_prefect.model.meter import Meter
@@ -46,8 +46,8 @@ class BacklogReading:
         hosts = await inventories.read(self.client, self._work_pool_name)
         now = datetime.now(timezone.utc)
         planned = plan([run for run, _, _ in waiting.values()], [(h.free, h.busy) for h in hosts], now)
-        names = {r.flow_run.id: (r.flow_run.name, waiting[r.flow_run.id][1]) for r in responses
-                 if r.flow_run.id in waiting}
+        names = {r.flow_run.id: (attempts.shown_name(r.flow_run.name, r.flow_run.labels), waiting[r.flow_run.id][1])
+                 for r in responses if r.flow_run.id in waiting}
         return plan_artifact.table(planned, names), functools.partial(
             plan_artifact.write, self.client, self._work_pool_name, now=now)
 
@@ -212,7 +212,7 @@ class BacklogReading:
 
     async def _refuse_missed(self, flow_run: FlowRun, job_name: str, team: str | None, latest: datetime | None,
                              now: datetime) -> None:
-        report = reporting.JobReport(self.client, flow_run, [])
+        report = reporting.JobReport(self.client, flow_run, [], self.settings.host_name)
         message = (f"Deadline missed: the run had to start by {latest.isoformat() if latest else '?'} "
                    f"to finish in time; it is now {now.isoformat(timespec='seconds')}. No GPU was rented.")
         report.step("deadline-missed", latest_start=str(latest), now=now.isoformat())

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -13,6 +15,9 @@ from uuid import UUID, uuid4
 
 import httpx
 import pytest
+
+from e31_prefect.host.disk import unmount_under
+from e31_prefect.host.ledger import process_running
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "deployments" / "jobs"
@@ -164,3 +169,90 @@ def host_processes_with(marker: str) -> list[int]:
         except OSError:
             continue
     return sorted(found)
+
+
+LOST_SECONDS = "6"  # a test host silent this long is lost; its supervisors fence at three quarters of it
+
+
+class Host:
+    """An e31 host on this machine: its own name, home and device locks, and its worker."""
+
+    def __init__(self, root: Path, name: str, pool: str, **env: str):
+        self.name, self.pool, self.env = name, pool, env
+        self.home = root / name
+        self.worker: subprocess.Popen | None = None
+
+    def start(self) -> Host:
+        self.home.mkdir(parents=True, exist_ok=True)
+        log = (self.home / f"worker-{time.monotonic_ns()}.log").open("wb")
+        self.worker = subprocess.Popen(
+            [str(Path(sys.executable).parent / "prefect"), "worker", "start", "--pool", self.pool, "--type", "e31",
+             "--name", f"{self.pool}-{self.name}"],
+            env={**os.environ, "E31_HOST_NAME": self.name, "E31_HOME": str(self.home),
+                 "E31_DEVICE_LOCKS": str(self.home / "locks"), "E31_GPUS": "1xH100", "E31_WATCH_SECONDS": "0.5",
+                 "E31_PLAN_ARTIFACT_SECONDS": "1",
+                 "E31_STOP_GRACE_SECONDS": "1", "E31_HOST_LOST_SECONDS": LOST_SECONDS,
+                 "PREFECT_WORKER_QUERY_SECONDS": "1", "PREFECT_WORKER_HEARTBEAT_SECONDS": "2", **self.env},
+            stdout=log, stderr=subprocess.STDOUT)
+        return self
+
+    def processes(self) -> list[int]:
+        """The worker and everything below it: supervisors, fence keepers, the jobs' processes."""
+        assert self.worker is not None
+        children: dict[int, list[int]] = {}
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    stat = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+                except (OSError, IndexError):
+                    continue
+                children.setdefault(int(stat[1]), []).append(int(entry))
+        found, stack = [self.worker.pid], [self.worker.pid]
+        while stack:
+            for child in children.get(stack.pop(), []):
+                found.append(child)
+                stack.append(child)
+        return found
+
+    def supervisors(self) -> list[int]:
+        return [pid for pid in self.processes() if b"e31_prefect.supervisor" in cmdline(pid)]
+
+    def lose(self) -> None:
+        """A power cut: every process of the host SIGKILLed at once."""
+        for pid in self.processes():
+            os.kill(pid, signal.SIGKILL)
+        assert self.worker is not None
+        self.worker.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.worker is not None and self.worker.poll() is None:
+            self.worker.send_signal(signal.SIGTERM)
+            self.worker.wait(timeout=60)
+
+    def output(self) -> str:
+        return "\n".join(log.read_text(errors="replace")[-3000:] for log in sorted(self.home.glob("worker-*.log")))
+
+
+def cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+@pytest.fixture
+def hosts(tmp_path, pool):
+    made: list[Host] = []
+
+    def make(name: str, **env: str) -> Host:
+        # A host's name is the pool's own (its drains and heartbeat are kept by name, server-wide).
+        made.append(Host(tmp_path / "hosts", f"{name}-{hashlib.sha256(pool.encode()).hexdigest()[:6]}", pool, **env))
+        return made[-1]
+
+    yield make
+    for host in made:
+        for pid in host.processes() if host.worker is not None and host.worker.poll() is None else []:
+            if process_running(pid):
+                os.kill(pid, signal.SIGCONT)
+        host.stop()
+        unmount_under(host.home)  # a lost host's output disks: its own business, once it starts again

@@ -67,6 +67,10 @@ def hostile(api_host: str, api_port: int) -> int:
     seen["secrets"] = call("POST", "/block_documents/filter", {"include_secrets": True})
     seen["secret_by_name"] = call("GET", "/block_types/slug/secret/block_documents/name/leak?include_secrets=true")
     seen["variables"] = call("POST", "/variables/filter", {})
+    # A host's heartbeat kept alive (its fence never runs out; a lost host never judged), a host or GPU drained
+    # or undrained: each is a variable of e31's.
+    seen["heartbeat"] = call("PATCH", "/variables/name/e31_host_forged", {"value": {"host": "forged"}})
+    seen["drain"] = call("POST", "/variables/", {"name": "e31_drain_forged", "value": {}, "tags": ["e31-drain"]})
     seen["other_runs"] = call("POST", "/flow_runs/filter", {})
     seen["own_run"] = call("GET", "/flow_runs/" + os.environ["PREFECT__FLOW_RUN_ID"])[0]
     try:
@@ -112,7 +116,7 @@ def test_a_hostile_job_reaches_only_its_own_flow_run(runtime, prefect_server, se
     run_id = flow_run_id(result.stdout)
     seen = json.loads((tmp_path / "hostile" / "out" / "seen.json").read_text())
 
-    for refused in ("secrets", "secret_by_name", "variables", "other_runs"):
+    for refused in ("secrets", "secret_by_name", "variables", "heartbeat", "drain", "other_runs"):
         status, body = seen[refused]
         assert status == 403, (refused, status, body)
         assert "the-block-secret" not in body

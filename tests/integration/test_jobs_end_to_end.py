@@ -277,6 +277,39 @@ def test_a_plain_command_job_runs_once_through_the_built_in_flow(prefect_server,
     assert "no shard: None" in result.stdout and ": Completed" in result.stdout
 
 
+def test_a_job_whose_folder_holds_the_workers_home_runs_and_sees_none_of_it_but_its_own(prefect_server, tmp_path,
+                                                                                       pool):
+    """E31_HOME kept in the folder of the job files (a project checked out with its worker's home in it): the
+    job's view of its folder shows it its own workspace there, and nothing else of E31_HOME."""
+    home = tmp_path / "project" / "e31-home"
+    job = write_job(tmp_path / "project", f"""
+        name: home-inside
+        work: {{flow: flow.py:probe, parameters: {{home: "{home}"}}}}
+        request: {{gpus: 0, max_duration: 5m}}
+        """, flow="""
+        import os
+        from prefect import flow
+        from e31_prefect import output_dir
+
+        @flow
+        def probe(home: str):
+            for folder in ("workspaces", "spool", "ledger"):
+                try:
+                    print(f"{folder}:", sorted(os.listdir(os.path.join(home, folder))))
+                except PermissionError:
+                    print(f"{folder}: closed")
+            print("mine:", sorted(os.listdir(output_dir())))
+        """)
+    # Another run's workspace there: the job must not see it.
+    (home / "workspaces" / "another-run").mkdir(parents=True)
+    result = cli("e31", "run", str(job), "--pool", pool, env={"E31_HOME": str(home)}, cwd=tmp_path / "project")
+    assert result.returncode == 0, result.stdout + result.stderr
+    run_id = flow_run_id(result.stdout)
+    assert ": Completed" in result.stdout and "mine: []" in result.stdout, result.stdout
+    assert f"workspaces: ['{run_id}']" in result.stdout, result.stdout
+    assert "spool: closed" in result.stdout or "spool: []" in result.stdout, result.stdout
+
+
 def test_worker_refuses_a_run_past_its_latest_start_before_renting(prefect_server, tmp_path, pool):
     job = write_job(tmp_path / "late", """
         name: late-job

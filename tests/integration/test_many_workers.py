@@ -40,8 +40,9 @@ def work(seconds: float = 3):
 
 
 def start_worker(pool: str, gpus: str, home: Path) -> subprocess.Popen:
-    # Each worker stands for a host of its own: its own home and its own host-wide device locks.
-    env = {**os.environ, "E31_HOME": str(home), "E31_DEVICE_LOCKS": str(home / "locks"), "E31_GPUS": gpus,
+    # Each worker stands for a host of its own: its own name, its own home and its own host-wide device locks.
+    env = {**os.environ, "E31_HOST_NAME": home.name, "E31_HOME": str(home), "E31_DEVICE_LOCKS": str(home / "locks"),
+           "E31_GPUS": gpus,
            "E31_WATCH_SECONDS": "0.5", "PREFECT_WORKER_QUERY_SECONDS": "1"}
     home.mkdir(parents=True, exist_ok=True)
     log = (home / f"worker-{time.monotonic_ns()}.log").open("wb")  # kept: a failure shows what the worker saw
@@ -97,6 +98,8 @@ def test_two_workers_share_a_pool_and_a_team_quota_without_renting_twice(prefect
     for index, (run_id, gpu_type) in runs.items():
         assert read_run(run_id).state.is_completed(), (index, read_run(run_id).state)
         seen[index] = json.loads((tmp_path / f"job{index}" / "out" / "ran.json").read_text())
+        # Prefect names the run's infrastructure by the host that ran it (cancellation finds it there).
+        assert read_run(run_id).infrastructure_pid == f"e31:host-{seen[index]['worker']}:{run_id}"
         if gpu_type:
             assert seen[index]["worker"] == {"A100": "a", "H100": "h"}[gpu_type]
     by_device: dict[tuple[str, str], list] = {}

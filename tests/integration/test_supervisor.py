@@ -361,3 +361,96 @@ def test_a_hand_over_of_a_device_that_is_no_gpu_starts_nothing(tmp_path):
     record = finished(tmp_path / "run", start(tmp_path / "run", "raise SystemExit(3)", gpu_minors=(0, 255)))
     assert record.ending == "not-started" and record.started is None
     assert "could not be opened" in record.message and "255" in record.message
+
+
+class PrefectStandIn:
+    """Prefect's variables endpoint as a run's supervisor writes its host's heartbeat to it: answering, or not."""
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+
+        self.beats: list[dict] = []
+        self.answering = True
+        stand_in = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args: object) -> None:
+                return
+
+            def do_PATCH(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if not stand_in.answering:
+                    self.connection.close()  # as a cut-off host finds it: no answer
+                    return
+                stand_in.beats.append(body["value"])
+                self.send_response(204)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/api"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+LOST = 4.0  # E31_HOST_LOST_SECONDS: a supervisor cut off for three quarters of it (3 s) stops its work
+
+
+def test_a_supervisor_cut_off_from_the_api_stops_its_work_at_its_fence(tmp_path):
+    stand_in = PrefectStandIn()
+    try:
+        supervisor = start(tmp_path / "run", DAEMON, str(tmp_path / "daemon.pid"), "600", host="host-a",
+                           host_lost_seconds=LOST, api_upstream=stand_in.url)
+        daemon = int(wait_for(tmp_path / "daemon.pid"))
+        while not stand_in.beats:
+            time.sleep(0.05)
+        assert stand_in.beats[0]["host"] == "host-a" and stand_in.beats[0]["lost_seconds"] == LOST
+        stand_in.answering = False  # the host is cut off from the Prefect API from here
+        record = finished(tmp_path / "run", supervisor)
+    finally:
+        stand_in.close()
+    assert record.ending == "fenced" and record.stop_reason == "fenced", record
+    assert not process_running(daemon), "the fenced work's daemon went on"
+    lease = json.loads((tmp_path / "run" / "fence.json").read_text())
+    # Stopped at its fence, counted from the last heartbeat the API took: never after the pool's lost time.
+    assert 0 <= seconds_between(lease["reached"], record.stop_requested) - LOST * 0.75 <= 1.5
+    assert seconds_between(lease["reached"], record.ended) < LOST
+
+
+def test_a_prefect_api_down_for_less_than_the_margin_stops_nothing(tmp_path):
+    stand_in = PrefectStandIn()
+    try:
+        supervisor = start(tmp_path / "run", "import time; time.sleep(6)", host="host-a", host_lost_seconds=LOST,
+                           api_upstream=stand_in.url)
+        while not stand_in.beats:
+            time.sleep(0.05)
+        stand_in.answering = False
+        time.sleep(1.5)  # the outage itself: half the fence time
+        stand_in.answering = True
+        record = finished(tmp_path / "run", supervisor)
+    finally:
+        stand_in.close()
+    assert record.ending == "exited" and record.exit_code == 0, record
+
+
+def test_a_stopped_supervisors_keeper_stops_its_work(tmp_path):
+    """A host whose supervisor no longer runs (stopped, hung) extends its fence no more: its keeper, a process
+    of its own, stops the work at the lease's end, so the pool can run it elsewhere."""
+    supervisor = start(tmp_path / "run", DAEMON, str(tmp_path / "daemon.pid"), "600", host="host-a",
+                       host_lost_seconds=LOST, api_upstream="http://127.0.0.1:9/api")  # nothing answers there
+    daemon = int(wait_for(tmp_path / "daemon.pid"))
+    os.kill(supervisor.pid, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 30
+        while process_running(daemon) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not process_running(daemon), "the work outlived its fence while its supervisor was stopped"
+        assert (tmp_path / "run" / "fenced.json").exists()
+    finally:
+        os.kill(supervisor.pid, signal.SIGCONT)
+    record = finished(tmp_path / "run", supervisor)
+    assert record.ending == "fenced", record

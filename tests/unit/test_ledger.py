@@ -45,6 +45,18 @@ def test_a_run_owned_by_a_live_worker_is_not_an_orphan(tmp_path):
     os.close(lock)
 
 
+def test_a_host_adopts_only_its_own_runs_where_two_hosts_share_a_ledger(tmp_path):
+    ledger = Ledger(tmp_path)
+    for run_id, host in (("a-run", "host-a"), ("b-run", "host-b"), ("old-run", None)):
+        ledger.folder(run_id).write_holding(holding(run_id, host=host))
+    claimed = ledger.claim_orphans("host-a")
+    assert sorted(folder.run_id for folder, _ in claimed) == ["a-run", "old-run"], "an entry of an earlier version " \
+        "names no host: its ledger's worker adopts it"
+    assert [folder.run_id for folder, _ in ledger.claim_orphans("host-b")] == ["b-run"]
+    for _, lock in claimed:
+        os.close(lock)
+
+
 def test_a_killed_workers_runs_are_orphans(tmp_path):
     code = ("import sys, time; from pathlib import Path; from e31_prefect.host.ledger import Ledger;"
             f"f = Ledger(Path({str(tmp_path)!r})).folder('r'); assert f.own() is not None;"

@@ -118,6 +118,21 @@ class FakeWorker:
         self.holds_until: dict[UUID, datetime] = {}
         self.admitted_latest: dict[UUID, datetime] = {}  # runs a poll took on a predicted length
         self.run_states = RunStates(self._read_states, lambda: [], self.settings.watch_seconds)
+        self.taken_states: dict[UUID, str] = {}
+        self.failed_devices: dict[int, Any] = {}
+        self.cut_off = False  # whether this worker's heartbeats stopped reaching the API (the pool may requeue)
+        self.requeued = False  # whether the pool requeued the run meanwhile
+        self.lost: list[Any] = []
+
+    def maybe_superseded(self, since: float) -> bool:
+        return self.cut_off
+
+    async def superseded(self, run_id: UUID, taken: str | None) -> bool:
+        return self.requeued
+
+    async def lose_attempt(self, run_id: UUID, loss: Any) -> Any:
+        self.lost.append(loss)
+        return endings.HOST_LOST
 
     def rented(self, run_id: UUID, at: datetime) -> None:
         pass
@@ -247,6 +262,17 @@ def test_admit_takes_a_run_the_poll_took_on_its_predicted_length(tmp_path):
     assert life.report.steps == []
 
 
+def test_a_container_job_whose_code_folder_holds_the_workers_home_is_refused_saying_how(tmp_path):
+    job = job_dict(tmp_path)
+    job["work"] = {"image": "python:3.11-slim", "command": ["true"]}
+    life = life_for(tmp_path, job)
+    life.configuration.code_mount = lambda: tmp_path  # the worker's E31_HOME is tmp_path/e31
+    ending = ending_of(life.admit)
+    assert ending.is_(endings.INVALID_JOB) and "holds this worker's E31_HOME" in ending.message
+    life.configuration.code_mount = lambda: tmp_path / "elsewhere"
+    assert life.admit().work.image == "python:3.11-slim"
+
+
 async def test_check_refuses_a_host_that_cannot_run_the_job(tmp_path):
     life = life_for(tmp_path, job_dict(tmp_path) | {"work": {"command": ["true"], "image": "acme/x:1"}})
     job = life.admit()
@@ -351,6 +377,28 @@ async def test_a_worker_stopping_while_rented_keeps_the_lease_for_the_adopter(tm
     assert life.folder.holding() is not None, "the ledger keeps the run for the next worker"
 
 
+async def test_an_adoption_that_meets_the_api_down_leaves_the_run_for_the_next_sweep(tmp_path):
+    life = life_for(tmp_path)
+
+    async def stopped(rental: Any) -> None:
+        raise anyio.get_cancelled_exc_class()()
+
+    with pytest.raises(anyio.get_cancelled_exc_class()):
+        await rent_and(life, stopped)
+    life._let_go()  # its worker is gone
+    worker = life.worker
+    [(folder, owner)] = worker.ledger.claim_orphans()
+
+    async def down(flow_run_id: UUID) -> Any:
+        raise httpx.ConnectError("the Prefect server restarts")
+
+    worker.client.read_flow_run = down
+    with pytest.raises(httpx.ConnectError):
+        await JobLife.adopt(worker, folder, owner)
+    assert [f.run_id for f, _ in worker.ledger.claim_orphans()] == [folder.run_id], \
+        "the failed adoption kept the run's lock: no sweep adopts it again, its meter is never closed"
+
+
 # -- run --------------------------------------------------------------------------------------
 
 
@@ -433,6 +481,56 @@ async def test_a_cancel_requested_in_prefect_stops_the_work(tmp_path):
     life.worker.client.state = SimpleNamespace(is_cancelling=lambda: True, is_final=lambda: False)
     record = await run_work(life, "import time; time.sleep(600)")
     assert record.ending == "stopped"
+
+
+# -- attempts -----------------------------------------------------------------------------------
+
+async def test_a_run_requeued_while_its_worker_was_cut_off_reports_nothing_and_keeps_its_outputs(tmp_path):
+    """The pool requeued the run while this worker's heartbeats did not reach it: the run is another
+    attempt's now. What this one wrote stays in the spool, and nothing of it reaches Prefect."""
+    life = life_for(tmp_path)
+    life.taken, life.attempt = "the-take", 1
+    record = await run_work(life, "import os; open(os.environ['OUT'] + '/x.txt', 'w').write('x')")
+    life.worker.cut_off = life.worker.requeued = True  # as it ran
+    assert not await life.still_ours()
+    ending = life.stand_down()
+    await life._set_state(endings.PROCESS_DIED.saying("anything"))
+    await life.release(ending)
+    assert record.ending == "exited"
+    assert life.worker.client.states == [] and life.report.closed == [], "a superseded attempt said something"
+    kept = life.worker.settings.spool / "superseded" / f"{life.run_id}-attempt-1" / "outputs" / "x.txt"
+    assert kept.read_text() == "x"
+    assert not life.folder.path.exists() and not life.workspace.exists()
+
+
+async def test_a_worker_cut_off_as_its_run_loaded_rents_nothing_for_a_run_requeued_meanwhile(tmp_path):
+    life = life_for(tmp_path)
+    life.taken = "the-take"
+    job = staged(life)
+    runtime = CommandRuntime("pass")
+    life.worker.cut_off = life.worker.requeued = True
+    ending = await ending_of_async(lambda: life.rent(job, runtime).__aenter__())
+    assert ending is endings.SUPERSEDED and life.worker.client.leases == {}
+    assert life.worker.inventory.free() == life.worker.inventory.devices
+
+
+async def test_a_worker_never_cut_off_reads_no_history(tmp_path):
+    life = life_for(tmp_path)
+    life.taken = "the-take"
+    life.worker.requeued = True  # it would say so, were it asked
+    assert await life.still_ours(), "a worker whose heartbeats all arrived was judged by its run's history"
+
+
+async def test_a_fenced_attempt_is_ended_by_its_own_host_as_a_lost_one(tmp_path):
+    life = life_for(tmp_path)
+    life.taken = "the-take"
+    record = await run_work(life, "import os; open(os.environ['OUT'] + '/x.txt', 'w').write('x')")
+    record.ending = "fenced"  # as its supervisor records a work its fence stopped
+    ending = await life.lost_here(record)
+    assert ending is endings.SUPERSEDED and [loss.kind for loss in life.worker.lost] == ["HostLost"]
+    assert "cut off from the Prefect API" in life.worker.lost[0].why
+    await life.release(ending)
+    assert life.report.closed == [], "the pool's end of the attempt closed its meter; this host closes none"
 
 
 # -- judge ------------------------------------------------------------------------------------
@@ -611,7 +709,9 @@ async def test_work_given_its_devices_at_create_is_started_after_the_rent_and_bi
 
 def test_every_ending_has_its_own_name_and_tag():
     assert len({ending.tag for ending in endings.ALL}) == len(endings.ALL)
-    assert all(ending.billed is False for ending in endings.ALL if ending.state.value == "SCHEDULED")
+    # A run handed back bills nothing; an attempt lost with its host or GPU is billed to its last heartbeat.
+    assert all(ending.billed is False for ending in endings.ALL if ending.state.value == "SCHEDULED"
+               and ending not in (endings.HOST_LOST, endings.DEVICE_FAILED))
 
 
 def test_invalid_job_error_type_is_a_job_error():

@@ -54,6 +54,17 @@ def test_a_closed_folder_outside_every_temp_folder_is_covered_as_before(tmp_path
     assert sorted(view.shows) == sorted([python, temp / "code"])
 
 
+def test_a_job_folder_holding_the_workers_home_shows_the_job_its_own_workspace_and_nothing_else_of_it(tmp_path):
+    """A job file kept in the folder that holds E31_HOME (0700): the job is shown its folder, and its own
+    workspace and ledger folder inside E31_HOME, never the rest of it (other runs, the spool)."""
+    closed_above, project = tmp_path / "root-home", tmp_path / "root-home" / "project"
+    home = project / "e31"
+    workspace, ledger = home / "workspaces" / "run", home / "ledger" / "run"
+    view = plan_view([project, workspace, ledger], passable_but(closed_above, home))
+    assert view.covers == [closed_above, home]
+    assert view.shows == [project, ledger, workspace]
+
+
 def test_the_lock_folders_are_hidden_whatever_shows_them(tmp_path):
     project = tmp_path / "project"
     locks = project / "locks"  # an operator put the device locks inside a folder the job is shown
