@@ -14,7 +14,7 @@ from typing import Any
 from prefect.client.orchestration import PrefectClient
 from prefect.client.schemas.actions import WorkPoolCreate
 from prefect.client.schemas.objects import FlowRun, WorkPool
-from prefect.exceptions import ObjectNotFound
+from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 from prefect.flows import load_flow_arguments_from_entrypoint
 from prefect.states import Scheduled
 from prefect.utilities.callables import parameter_schema_from_entrypoint
@@ -40,11 +40,14 @@ async def ensure_pool(client: PrefectClient, name: str) -> WorkPool:
     try:
         pool = await client.read_work_pool(name)
     except ObjectNotFound:
-        return await client.create_work_pool(WorkPoolCreate(
-            name=name, type=E31Worker.type,
-            base_job_template=E31Worker.get_default_base_job_template(),
-            description="E31 GPU jobs",
-        ))
+        try:
+            return await client.create_work_pool(WorkPoolCreate(
+                name=name, type=E31Worker.type,
+                base_job_template=E31Worker.get_default_base_job_template(),
+                description="E31 GPU jobs",
+            ))
+        except ObjectAlreadyExists:  # another submit or worker created it meanwhile: that pool it is
+            pool = await client.read_work_pool(name)
     if pool.type != E31Worker.type:
         raise PoolTypeError(f"work pool {name!r} is of type {pool.type!r}, not 'e31'; "
                             f"choose another --pool or create one with --type e31")

@@ -62,6 +62,8 @@ class Contender:
     def __init__(self, kind: str, folder: Path, pool: str, image: str, variables: dict[str, Any],
                  pool_defaults: dict[str, Any] | None = None, deployment_name: str | None = None):
         self.kind, self.folder, self.pool = kind, folder, f"{pool}-{kind}"
+        # The e31 worker's home, beside the job's folder: a container job whose code folder holds it is refused.
+        self.home = folder.parent / f"{folder.name}-e31-home"
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "probe.py").write_text(PROBE)
         if kind == "docker":
@@ -95,7 +97,7 @@ class Contender:
         return subprocess.Popen(
             [str(Path(sys.executable).parent / "prefect"), "worker", "start", "--pool", self.pool, "--type",
              self.kind, *extra],
-            env={**os.environ, "E31_HOME": str(self.folder / "e31"), "PREFECT_WORKER_QUERY_SECONDS": "1", **env},
+            env={**os.environ, "E31_HOME": str(self.home), "PREFECT_WORKER_QUERY_SECONDS": "1", **env},
             stdout=log, stderr=subprocess.STDOUT)
 
     def run_once(self, name: str | None = None, **env: str) -> UUID:
@@ -184,7 +186,7 @@ def test_kill_infrastructure_stops_the_work_from_the_id_the_worker_reported(
         from e31_prefect.host.settings import E31Settings
 
         worker_class = BaseWorker.get_worker_class_from_type(kind)
-        extra = {"settings": E31Settings(home=contender.folder / "e31")} if kind == "e31" else {}
+        extra = {"settings": E31Settings(home=contender.home)} if kind == "e31" else {}
         killer = worker_class(work_pool_name=contender.pool, **extra)
         asyncio.run(killer.kill_infrastructure(infrastructure, configuration=None, grace_seconds=2))
         # The engine in the container reports Crashed as it is stopped; e31's worker then ends the run
@@ -356,7 +358,7 @@ def worker_of(kind: str, contender: Contender) -> Any:
 
     from e31_prefect.host.settings import E31Settings
 
-    extra = {"settings": E31Settings(home=contender.folder / "e31")} if kind == "e31" else {}
+    extra = {"settings": E31Settings(home=contender.home)} if kind == "e31" else {}
     return BaseWorker.get_worker_class_from_type(kind)(work_pool_name=contender.pool, **extra)
 
 
@@ -411,7 +413,7 @@ def test_a_container_left_by_a_dead_supervisor_is_found_by_prefect_dockers_run_l
     from uuid import uuid4
 
     from e31_prefect.host.ledger import Holding, Ledger
-    from e31_prefect.surface.life import _stop_leftovers
+    from e31_prefect.surface.life_adoption import _stop_leftovers
 
     run_id = str(uuid4())
     subprocess.run(["docker", "run", "-d", "--network", "none", "--label", f"{RUN_LABEL}={run_id}", job_image,
@@ -458,5 +460,5 @@ def test_a_run_deleted_while_it_runs_lets_its_worker_go_on(kind, prefect_server,
         assert "the flow run is gone from Prefect (deleted while this worker had it)" in log, log[-3000:]
         assert "could not be recorded in Prefect (None)" not in log
         # Nothing left for the next worker on this host to adopt, and no workspace.
-        assert not (contender.folder / "e31" / "ledger" / str(run_id)).exists()
-        assert not (contender.folder / "e31" / "workspaces" / str(run_id)).exists()
+        assert not (contender.home / "ledger" / str(run_id)).exists()
+        assert not (contender.home / "workspaces" / str(run_id)).exists()

@@ -497,3 +497,18 @@ def test_usage_totals_equal_the_sum_of_the_runs_meters(prefect_server, tmp_path,
     for team, billed_gpu_seconds in expected.items():
         assert totals[team]["gpu_hours_billed"] == pytest.approx(billed_gpu_seconds / 3600, abs=1e-12)
     assert totals["usage-a"]["runs"] == 2 and totals["usage-b"]["runs"] == 1
+
+
+def test_submits_that_race_to_create_their_pool_all_land_in_it(prefect_server, pool):
+    """Jobs submitted at once to a pool nobody created yet (or as its worker starts): one creates it, the
+    others find it, and none fails on the server's 'already exists'."""
+    import asyncio
+
+    from e31_prefect.surface.submission import ensure_pool
+
+    async def all_at_once() -> list:
+        async with get_client() as client:
+            return await asyncio.gather(*(ensure_pool(client, pool) for _ in range(8)))
+
+    pools = asyncio.run(all_at_once())
+    assert {found.name for found in pools} == {pool} and {found.type for found in pools} == {"e31"}
