@@ -26,10 +26,15 @@ class Plan:
 
 
 def plan(job: Job, now: datetime, *, start_now: bool = False) -> Plan:
-    """Resolve the job's start and deadline as seen at ``now`` (``start_now`` ignores ``start``)."""
+    """Resolve the job's start and deadline as seen at ``now``.
+
+    ``start_now`` ignores ``start``: the run starts now, and a deadline given as a time of day stays the one
+    after the start the job declares (``start: "22:00"``, ``deadline: "07:00"`` run at 06:45 with ``--now``
+    is due tomorrow at 07:00, not in 15 minutes); a relative deadline counts from now.
+    """
     tz = job.tz
     start = now if start_now else timing.resolve_start(job.request.start, now, tz)
-    deadline = timing.resolve_deadline(job.request.deadline, start, tz)
+    deadline = timing.job_deadline(job.request.deadline, job.request.start, start, tz)
     return Plan(
         start=start,
         deadline=deadline,

@@ -189,6 +189,17 @@ def resolve_deadline(spec: str | None, scheduled_start: datetime, tz: tzinfo) ->
     return utc(parse_aware_datetime(spec))
 
 
+
+def job_deadline(spec: str | None, start_spec: str | None, scheduled_start: datetime, tz: tzinfo) -> datetime | None:
+    """The absolute deadline of a job's run scheduled to start at ``scheduled_start``.
+
+    A time of day is the next one after the start the job declares, seen from then: a run started early
+    (``e31 run --now`` at 06:45 of a job that starts at 22:00 and is done by 07:00) keeps its night's deadline,
+    not one 15 minutes away. A relative deadline counts from the scheduled start; an ISO datetime is itself.
+    """
+    declared = resolve_start(start_spec, scheduled_start, tz) if spec and parse_time_of_day(spec) else scheduled_start
+    return resolve_deadline(spec, declared, tz)
+
 def admission_duration(max_duration: timedelta | None, expected_duration: timedelta | None) -> timedelta:
     """How long a run must be given before its deadline: its time limit, else its expected duration."""
     return max_duration or expected_duration or timedelta(0)

@@ -255,7 +255,7 @@ class JobLife(Adoption, Attempts, Sending, Watching):
                 f"The job's code folder {code}, which its container sees, holds this worker's E31_HOME ({home}): "
                 "every run's workspace and kept outputs are there. Move E31_HOME out of it (set E31_HOME on the "
                 "worker), or the job's files into a folder of their own. No GPU was rented."))
-        deadline = timing.resolve_deadline(job.request.deadline, scheduled_start(self.flow_run), job.tz)
+        deadline = timing.job_deadline(job.request.deadline, job.request.start, scheduled_start(self.flow_run), job.tz)
         latest = timing.latest_start(deadline, job.admission_duration)
         # A run the poll took on its predicted length (e31_prefect.model.prediction) is judged on it here too.
         latest = self.worker.admitted_latest.get(self.run_id, latest) if latest is not None else None
@@ -420,7 +420,7 @@ class JobLife(Adoption, Attempts, Sending, Watching):
         """Hand the rented devices to the waiting work: the meter starts, the time limit counts from here,
         and its supervisor holds the devices whatever becomes of this worker."""
         self.meter.mark("rented", now())
-        deadline = timing.resolve_deadline(job.request.deadline, scheduled_start(self.flow_run), job.tz)
+        deadline = timing.job_deadline(job.request.deadline, job.request.start, scheduled_start(self.flow_run), job.tz)
         stop_at = timing.stop_at(now(), job.request.time_limit, deadline)
         if stop_at is not None:
             self.worker.holds_until[self.run_id] = stop_at

@@ -192,7 +192,7 @@ class BacklogReading:
         scheduled = scheduled_start(flow_run)
         values = {**(deployment.job_variables if deployment else {}), **(flow_run.job_variables or {})}
         job = await self._job(values, name, jobs)
-        deadline = timing.resolve_deadline(job.request.deadline, scheduled, job.tz)
+        deadline = timing.job_deadline(job.request.deadline, job.request.start, scheduled, job.tz)
         team = quotas.team_by_queue(self.settings.queue_teams, flow_run.work_queue_name, job.team)
         limit = job.request.time_limit or job.expected_duration
         # Planned (and its deadline judged) by what its deployment's recent runs of its team took, not by its limit.

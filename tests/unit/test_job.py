@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 import textwrap
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, time, timedelta, timezone
 from pathlib import Path
 from zoneinfo import ZoneInfo
 
@@ -747,6 +747,26 @@ def test_plan_start_now_ignores_the_start():
     assert the_plan.deadline == NOW + timedelta(hours=1)
     assert the_plan.latest_start == NOW + timedelta(minutes=40)
 
+
+
+@pytest.mark.parametrize("clock", ["06:45", "12:00", "21:59", "23:30"])
+def test_plan_start_now_keeps_a_time_of_day_deadline_of_the_declared_night(clock):
+    """The README's job (22:00, done by 07:00, 20 minutes) run with --now at any hour: it starts now and is due
+    at the 07:00 that follows its declared start, so it is never refused for a 07:00 its start never aimed at."""
+    job = timed_job(max_duration="20m", start="22:00", deadline="07:00")
+    now = datetime.combine(NOW.date(), time.fromisoformat(clock), tzinfo=job.tz)
+    the_plan = plan(job, now, start_now=True)
+    declared = plan(job, now)
+    assert the_plan.start == now and the_plan.deadline == declared.deadline
+    assert the_plan.deadline.astimezone(job.tz).time() == time(7, 0) and the_plan.deadline > declared.start
+    assert plan_problems(job, the_plan) == []
+
+
+def test_plan_start_now_without_a_declared_start_still_refuses_a_deadline_too_soon():
+    job = timed_job(max_duration="20m", deadline="07:00")
+    now = datetime.combine(NOW.date(), time(6, 45), tzinfo=job.tz)
+    [problem] = plan_problems(job, plan(job, now, start_now=True))
+    assert problem.field == "request.deadline"
 
 def test_plan_without_a_deadline():
     the_plan = plan(timed_job(), NOW)

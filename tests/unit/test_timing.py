@@ -24,6 +24,7 @@ from e31_prefect.model.timing import (
     check_deadline,
     check_start,
     format_duration,
+    job_deadline,
     latest_start,
     parse_aware_datetime,
     parse_duration,
@@ -441,6 +442,23 @@ def test_slack_counts_real_time_across_spring_forward():
     now = SPRING_START_PARIS
     assert slack(latest, now) == hours(8)
 
+
+
+@pytest.mark.parametrize(("scheduled", "due"), [
+    (datetime(2026, 12, 3, 22, 0, tzinfo=PARIS), datetime(2026, 12, 4, 7, 0, tzinfo=PARIS)),  # at its start
+    (datetime(2026, 12, 3, 6, 45, tzinfo=PARIS), datetime(2026, 12, 4, 7, 0, tzinfo=PARIS)),  # --now, morning
+    (datetime(2026, 12, 3, 13, 0, tzinfo=PARIS), datetime(2026, 12, 4, 7, 0, tzinfo=PARIS)),  # --now, noon
+])
+def test_a_time_of_day_deadline_is_the_one_after_the_start_the_job_declares(scheduled, due):
+    assert job_deadline("07:00", "22:00", scheduled, PARIS) == due
+
+
+def test_a_job_with_no_start_or_another_deadline_counts_from_its_scheduled_start():
+    morning = datetime(2026, 12, 3, 6, 45, tzinfo=PARIS)
+    assert job_deadline("07:00", None, morning, PARIS) == datetime(2026, 12, 3, 7, 0, tzinfo=PARIS)
+    assert job_deadline("+1h", "22:00", morning, PARIS) == datetime(2026, 12, 3, 7, 45, tzinfo=PARIS)
+    assert job_deadline("2026-12-05T07:00:00Z", "22:00", morning, PARIS) == datetime(2026, 12, 5, 7, 0, tzinfo=UTC)
+    assert job_deadline(None, "22:00", morning, PARIS) is None
 
 # -- latest_start, slack, stop_at, admission_duration -----------------------------------------
 
