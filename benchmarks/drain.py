@@ -260,6 +260,10 @@ def main() -> None:
     env = {**os.environ, "PREFECT_WORKER_QUERY_SECONDS": "2", "PREFECT_WORKER_HEARTBEAT_SECONDS": "10",
            "E31_WATCH_SECONDS": "2"}
     os.environ.update(PREFECT_WORKER_QUERY_SECONDS="2")
+    # chaos.py imported Prefect before the server's settings were set: its settings are read again.
+    from prefect.context import refresh_global_settings_context
+
+    refresh_global_settings_context()
     sides = {kind: Side(kind, home / kind, env, folder, args.slots) for kind in ("e31", "process")}
     results: dict[str, list[dict[str, float]]] = {"e31": [], "process": []} if args.runs else {}
     try:

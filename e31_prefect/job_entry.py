@@ -451,8 +451,19 @@ def forward_api(socket_path: str) -> str:
     return f"http://127.0.0.1:{listening.getsockname()[1]}/api"
 
 
-def main() -> None:
-    """Run the flow run named by ``PREFECT__FLOW_RUN_ID`` with Prefect's engine."""
+def read_settings_again() -> None:
+    """Prefect's settings and logging read again from this process's environment: Prefect was loaded by
+    the host's warm interpreter (:mod:`e31_prefect.host.warm_interpreter`), in an environment of its own."""
+    from prefect.context import refresh_global_settings_context
+    from prefect.logging.configuration import setup_logging
+
+    refresh_global_settings_context()
+    setup_logging(incremental=False)
+
+
+def main(loaded: bool = False) -> None:
+    """Run the flow run named by ``PREFECT__FLOW_RUN_ID`` with Prefect's engine (``loaded``: in a process
+    forked from the host's warm interpreter, which imported the engine in an environment of its own)."""
     path = os.environ.pop(WORK_ENDED_VARIABLE, None)
     if path:
         _pipe.append(path)
@@ -462,6 +473,8 @@ def main() -> None:
     if api_socket:
         os.environ["PREFECT_API_URL"] = forward_api(api_socket)
     prepare_engine()
+    if loaded:
+        read_settings_again()
     _say_before_reporting()
     wait_for_api(os.environ.get("PREFECT_API_URL"))
     with contextlib.ExitStack() as stack:

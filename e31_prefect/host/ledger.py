@@ -116,6 +116,9 @@ class Spec:
     host: str | None = None
     host_lost_seconds: float = 0.0
     host_beat_file: str | None = None  # where the host's workers say when the API last took their heartbeat
+    # The socket of the host's warm interpreter, which forks a process job's entry with Prefect loaded
+    # (e31_prefect.host.warm_interpreter); None, or none answering: the entry starts as a new interpreter.
+    warm_interpreter: str | None = None
 
 
 @dataclass

@@ -19,9 +19,12 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Protocol
 
-from e31_prefect.host import cgroups, job_init, job_users, leftovers, sandbox
+from e31_prefect.host import cgroups, job_init, job_users, leftovers, sandbox, warm_interpreter
 from e31_prefect.host.device_fence import DeviceFence
 from e31_prefect.host.ledger import Record, RunFolder, Spec, now
+from e31_prefect.host.warm_interpreter import ForkedProcess, NotServed
+
+KILL_WAIT_SECONDS = 10.0  # a killed process is gone in milliseconds; one in uninterruptible sleep may take longer
 
 
 @dataclass
@@ -81,7 +84,7 @@ class ProcessWork:
         self.fence = DeviceFence.create(self.group.v2, self.group.v1.get("devices"), Path(spec.device_table))
         record.limits = {**self.group.limits, "devices": self.fence.enforced}
         record.notes += self.group.why + self.fence.why
-        self.process: subprocess.Popen[bytes] | None = None
+        self.process: subprocess.Popen[bytes] | ForkedProcess | None = None
         self._user: job_users.JobUser | None = None
         self._pidfd = -1
         self._exit: Exit | None = None
@@ -117,27 +120,35 @@ class ProcessWork:
         if view is None:  # no root to give it namespaces of its own (E31_JOB_USERS=worker): as it always was
             self.process = self._popen(self.spec.argv, self.spec.env, self.spec.cwd,
                                        before_exec if files or private or uid is not None else None)
+            self._pidfd = os.pidfd_open(self.process.pid)
         else:
-            self.process = self._start_beside_init(init_before_exec, files, become_job_user)
-        self._pidfd = os.pidfd_open(self.process.pid)
+            self.process = self._start_beside_init(init_before_exec, files, uid, become_job_user)
+            self._pidfd = (self.process.pidfd if isinstance(self.process, ForkedProcess)
+                           else os.pidfd_open(self.process.pid))
         return str(self.process.pid)
 
-    def _start_beside_init(self, init_before_exec: Callable[[], None], files: list[Path],
-                           become_job_user: Callable[[], None]) -> subprocess.Popen[bytes]:
+    def _start_beside_init(self, init_before_exec: Callable[[], None], files: list[Path], uid: int | None,
+                           become_job_user: Callable[[], None]) -> subprocess.Popen[bytes] | ForkedProcess:
         """The job's process in a PID namespace of its own, beside the namespace's init (returned: the job's).
 
         The init is forked first, so it is PID 1: it enters the job's cgroup and namespaces, mounts the
         namespace's /proc, becomes the job's user and execs :mod:`e31_prefect.host.job_init`, which reaps
-        the job's orphans. The job's process is forked next into the same PID namespace and joins the
-        init's other namespaces. It stays this supervisor's child: its pidfd, its exit status and the
-        signals it is sent are as they were. Both exec before anything of the job runs, so no process the
-        job's user can reach holds the supervisor's memory (its Prefect API key).
+        the job's orphans. The job's process comes next, into the same PID namespace, joining the init's
+        other namespaces: forked by the host's warm interpreter, with Prefect loaded
+        (:mod:`e31_prefect.host.warm_interpreter`), or else as this supervisor's child, a new interpreter.
+        Neither holds the supervisor's memory (its Prefect API key) or runs anything of the job's before
+        it is the job's user in the job's namespaces.
         """
         with sandbox.own_pids():
             init = self._popen([sys.executable, "-I", "-S", job_init.__file__], {}, "/", init_before_exec)
             try:
                 namespaces = sandbox.namespaces_of(init.pid)
                 try:
+                    if self.spec.warm_interpreter:
+                        with contextlib.suppress(NotServed):
+                            return self._fork_warm(Path(self.spec.warm_interpreter), init.pid, namespaces,
+                                                   files, uid)
+
                     def before_exec() -> None:  # as root, in the child: its cgroup, the init's namespaces, its user
                         if files:
                             cgroups.join(files)
@@ -152,6 +163,23 @@ class ProcessWork:
                 init.kill()  # the namespace goes with it
                 init.wait()
                 raise
+
+    def _fork_warm(self, path: Path, init: int, namespaces: list[tuple[int, int]], files: list[Path],
+                   uid: int | None) -> ForkedProcess:
+        """The job's process forked by the host's warm interpreter into the init's PID namespace, joining its
+        other namespaces (NotServed: none answered, nothing started)."""
+        pid_namespace = os.open(sandbox.PROC / str(init) / "ns" / "pid", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            with open(self.log, "ab") as out:
+                request = warm_interpreter.Request(
+                    env=self.spec.env, cwd=self.spec.cwd, uid=uid, cgroup_files=[str(f) for f in files],
+                    namespaces=[sandbox.CLONE_NEWPID, *(flag for _, flag in namespaces)])
+                forked = warm_interpreter.fork_entry(path, request, out.fileno(),
+                                                     [pid_namespace, *(handle for handle, _ in namespaces)])
+        finally:
+            os.close(pid_namespace)
+        self.record.notes.append("forked by the host's warm interpreter (Prefect loaded once per host)")
+        return forked
 
     def _popen(self, argv: list[str], env: dict[str, str], cwd: str | None,
                before_exec: Callable[[], None] | None) -> subprocess.Popen[bytes]:
@@ -183,7 +211,12 @@ class ProcessWork:
         return self._pidfd
 
     def ended(self) -> Exit | None:
-        if self._exit is None and self.process is not None:
+        if isinstance(self.process, ForkedProcess):  # its launcher's child: the launcher says how it exited
+            reap()
+            code = self.process.poll() if self._exit is None else None
+            if code is not None:
+                self._exit = Exit(code, now(), self.group.out_of_memory())
+        elif self._exit is None and self.process is not None:
             reap(but=self.process.pid)
             try:
                 pid, status = os.waitpid(self.process.pid, os.WNOHANG)
@@ -196,13 +229,20 @@ class ProcessWork:
         return self._exit
 
     def terminate(self, grace_seconds: float) -> None:
+        if isinstance(self.process, ForkedProcess):
+            self.process.send_signal(signal.SIGTERM)
         for pid in self._everyone():
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGTERM)
 
     def kill(self) -> None:
         self.group.kill()
-        main = self.process.pid if self.process is not None else None
+        forked = self.process if isinstance(self.process, ForkedProcess) else None
+        if forked is not None:  # not a descendant of this supervisor: killed by its pidfd, and waited for
+            forked.send_signal(signal.SIGKILL)
+            forked.wait_gone(KILL_WAIT_SECONDS)
+            self.ended()
+        main = self.process.pid if self.process is not None and forked is None else None
         for _ in range(100):  # without a cgroup, its processes are ours to find, reparented or not
             left = _descendants(os.getpid())
             if not left:
@@ -227,8 +267,11 @@ class ProcessWork:
         self.fence.close()
         if self._user is not None:  # before the uid goes back (this supervisor's exit): nothing of it stays
             self.record.notes += leftovers.sweep(self._user.uid, leftovers.world_writable())
-        with contextlib.suppress(OSError):
-            os.close(self._pidfd)
+        if isinstance(self.process, ForkedProcess):
+            self.process.close()  # its pidfd is this work's
+        else:
+            with contextlib.suppress(OSError):
+                os.close(self._pidfd)
 
     def _everyone(self) -> set[int]:
         return self.group.pids() | _descendants(os.getpid())

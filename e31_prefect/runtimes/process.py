@@ -36,6 +36,7 @@ from e31_prefect.runtimes import (
 if TYPE_CHECKING:
     from e31_prefect.host.settings import E31Settings
     from e31_prefect.host.supervision import Supervisor
+    from e31_prefect.host.warm_interpreter import WarmInterpreter
 
 # All a job's process takes from its worker's environment: where programs and Python's modules are (e31's and
 # Prefect's), and the locale. Nothing else (credentials, the worker's settings) reaches it.
@@ -50,10 +51,11 @@ class ProcessRuntime:
     died = endings.PROCESS_DIED
     loads_before_rent = True  # its devices are only variables, set by its entry at the hand-over
 
-    def __init__(self, settings: E31Settings, configuration: Any):
+    def __init__(self, settings: E31Settings, configuration: Any, warm: WarmInterpreter | None = None):
         self.settings = settings
         self.configuration = configuration
-        self.isolated = settings.job_users == "auto" and os.geteuid() == 0
+        self.isolated = isolated(settings)
+        self.warm = warm  # the worker's warm interpreter, which forks the job's entry with Prefect loaded
 
     async def check(self) -> str | None:
         if not self.isolated:
@@ -77,7 +79,9 @@ class ProcessRuntime:
                     # The host's lock folders: a job must not hold the lock of a device (or a uid) it was not given.
                     "job_hidden": [str(self.settings.device_locks), str(job_users.LOCKS)],
                     "job_temp_bytes": self.settings.job_temp_bytes,
-                    "job_uids": [uids[0], uids[-1]]} if self.isolated else {}
+                    "job_uids": [uids[0], uids[-1]],
+                    "warm_interpreter": str(self.warm.socket_path()) if self.warm is not None else None,
+                    } if self.isolated else {}
         return placement.spec(
             self.name, argv=[sys.executable, *entry_arguments(user_site=False)], env=environment(placement, home),
             hand_over_env=job_variables(placement), cwd=str(placement.workspace), **isolated)
@@ -87,6 +91,19 @@ class ProcessRuntime:
 
     def ended(self) -> None:
         return None  # Prefect's own events say how the flow run ended
+
+
+def isolated(settings: E31Settings) -> bool:
+    """Whether a process job runs as a user of its own, in namespaces of its own (the worker runs as root and
+    the pool's ``job_users`` is ``auto``): only then is its entry forked by the host's warm interpreter."""
+    return settings.job_users == "auto" and os.geteuid() == 0
+
+
+def warm_interpreter(home: Path) -> WarmInterpreter:
+    """A worker's warm interpreter, its files in ``home``, started with e31's own environment alone."""
+    from e31_prefect.host.warm_interpreter import WarmInterpreter
+
+    return WarmInterpreter(home / "warm", {k: os.environ[k] for k in HOST_VARIABLES if k in os.environ})
 
 
 def needed_paths(configuration: Any) -> list[Path]:

@@ -86,7 +86,7 @@ def runtime_for(job: Job, worker: Any, configuration: Any) -> Runtime:
         return ContainerRuntime(worker, configuration)
     from e31_prefect.runtimes.process import ProcessRuntime
 
-    return ProcessRuntime(worker.settings, configuration)
+    return ProcessRuntime(worker.settings, configuration, worker.warm_interpreter())
 
 
 class JobLife(Adoption, Attempts, Sending, Watching):

@@ -124,6 +124,7 @@ class E31Worker(HostWatching, BacklogReading, DockerWorker):
         self._last_waiting: tuple[list[WorkerFlowRunResponse], Any, dict[UUID, Any]] | None = None
         self._queued: dict[UUID, Any] | None = None  # the evaluation the waiting queue was last synced to
         self._owners: dict[UUID, int] = {}  # ledger owner locks of runs taken but not yet lived
+        self._warm: Any = None  # the warm interpreter process jobs' entries are forked from (started at need)
         self._init_host_watch()
 
     # -- starting and stopping --------------------------------------------------------------------
@@ -180,12 +181,25 @@ class E31Worker(HostWatching, BacklogReading, DockerWorker):
             self._runs_task_group.start_soon(self.watch_hosts)
 
     async def teardown(self, *exc_info: Any) -> None:
-        """Stop following the pool's events and watching the hosts, then Prefect's teardown."""
+        """Stop following the pool's events and watching the hosts and the warm interpreter (runs it forked go
+        on), then Prefect's teardown."""
         self.stop_watching_hosts()
+        if self._warm is not None:
+            await asyncio.to_thread(self._warm.stop)
+            self._warm = None
         if self.backlog_watch is not None:
             self.backlog_watch.close()
             self.backlog_watch = None
         await super().teardown(*exc_info)
+
+    def warm_interpreter(self) -> Any:
+        """This worker's warm interpreter (:mod:`e31_prefect.host.warm_interpreter`), where process jobs run as
+        users of their own; None elsewhere (each job's entry is then a new interpreter)."""
+        from e31_prefect.runtimes import process
+
+        if self._warm is None and process.isolated(self.settings):
+            self._warm = process.warm_interpreter(self.settings.home.expanduser())
+        return self._warm
 
     async def follow_backlog(self) -> None:
         """Keep the pool's backlog between polls from its flow-run events (:mod:`e31_prefect.planning.backlog_watch`);
