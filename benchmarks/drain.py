@@ -172,8 +172,11 @@ def drain(side: Side, pool: str, runs: int, workers: int) -> dict[str, float]:
         for proc in procs:
             proc.send_signal(signal.SIGTERM)
         for proc in procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
+            try:
                 proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:  # Prefect's process worker may not stop on SIGTERM: it is killed
+                proc.kill()
+                proc.wait()
     return {"runs_per_min": runs / elapsed * 60, "not_completed": runs - done, "seconds": elapsed,
             "worker_cpu_per_run": sum(worker_cpu.values()) / runs, "host_cpu_per_run": host / runs}
 

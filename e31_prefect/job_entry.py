@@ -49,6 +49,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import warnings
 from typing import Any
 
 WORK_ENDED_VARIABLE = "E31_WORK_ENDED"
@@ -454,10 +455,13 @@ def forward_api(socket_path: str) -> str:
 def read_settings_again() -> None:
     """Prefect's settings and logging read again from this process's environment: Prefect was loaded by
     the host's warm interpreter (:mod:`e31_prefect.host.warm_interpreter`), in an environment of its own."""
-    from prefect.context import refresh_global_settings_context
+    from prefect import context
     from prefect.logging.configuration import setup_logging
 
-    refresh_global_settings_context()
+    # Without a global context, Prefect reads its settings (its home, its profiles) from the environment alone,
+    # not through the interpreter's, whose home the job's user may not even look into.
+    del context.GLOBAL_SETTINGS_CONTEXT
+    context.GLOBAL_SETTINGS_CONTEXT = context.root_settings_context()
     setup_logging(incremental=False)
 
 
@@ -486,6 +490,8 @@ def main(loaded: bool = False) -> None:
             start_again_with(wait_for_hand_over(hand_over), control)
         take_report_seconds()
         start_shards()
+        # The engine was imported before the hand-over, on purpose: runpy's warning that it was is noise.
+        warnings.filterwarnings("ignore", "'prefect.engine' found in sys.modules", RuntimeWarning)
         runpy.run_module("prefect.engine", run_name="__main__", alter_sys=True)
 
 

@@ -130,6 +130,7 @@ class Record:
     cgroup: str | None = None  # the run's cgroup v2 folder, if it had one
     limits: dict[str, bool] = field(default_factory=dict)  # which request limits (and device rules) held
     notes: list[str] = field(default_factory=list)
+    warm: bool = False  # its entry was forked by the host's warm interpreter (e31_prefect.host.warm_interpreter)
     infrastructure: str | None = None  # the work's pid, or its container id
     ready: str | None = None  # the job's process loaded Prefect and waits for its devices (not billed)
     started: str | None = None  # the devices were handed to the work: it runs the job's own code from here

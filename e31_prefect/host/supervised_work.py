@@ -178,7 +178,7 @@ class ProcessWork:
                                                      [pid_namespace, *(handle for handle, _ in namespaces)])
         finally:
             os.close(pid_namespace)
-        self.record.notes.append("forked by the host's warm interpreter (Prefect loaded once per host)")
+        self.record.warm = True
         return forked
 
     def _popen(self, argv: list[str], env: dict[str, str], cwd: str | None,

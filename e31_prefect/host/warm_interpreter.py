@@ -276,6 +276,7 @@ def launch(conn: socket.socket) -> int:
     if message is None:
         return 1
     request, fds = Request(**message), lines.fds
+    retitle(["e31-launcher", request.env.get("PREFECT__FLOW_RUN_ID", "")])
     log, namespaces = fds[0], list(zip(fds[1:], request.namespaces, strict=True))
     libc = ctypes.CDLL(None, use_errno=True)
     own = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
@@ -301,6 +302,9 @@ def become_job(request: Request, log: int, namespaces: list[tuple[int, int]], co
     streams, its cgroup, its namespaces, its user, its environment; then the job's entry. Returns its exit
     code (it never returns to the interpreter's loop)."""
     try:
+        from e31_prefect import job_entry
+
+        retitle([sys.executable, *job_entry.entry_arguments(user_site=False)])  # what it stands for
         os.setsid()
         signal.pthread_sigmask(signal.SIG_SETMASK, set())
         devnull = os.open(os.devnull, os.O_RDONLY)
@@ -329,8 +333,6 @@ def become_job(request: Request, log: int, namespaces: list[tuple[int, int]], co
         with contextlib.suppress(Exception):
             os.write(2, f"e31: the job's process could not be set up: {exc!r}\n".encode())
         return 126
-    from e31_prefect import job_entry
-
     sys.argv = [job_entry.__file__]
     code = 0
     try:
@@ -348,6 +350,18 @@ def become_job(request: Request, log: int, namespaces: list[tuple[int, int]], co
         with contextlib.suppress(Exception):
             stream.flush()
     return code
+
+
+def retitle(words: list[str]) -> None:
+    """Show this process as ``words`` (its ``/proc/<pid>/cmdline``, what ``ps`` lists): the memory of the
+    arguments it was started with, rewritten in place and padded with NULs (cut to their length). A forked
+    process otherwise shows the interpreter's arguments (its socket, its worker's pid)."""
+    fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+    start, end = int(fields[45]), int(fields[46])  # arg_start, arg_end: fields 48 and 49 of proc(5)
+    title = "\0".join(words).encode()[:end - start - 1]
+    with open("/proc/self/mem", "r+b", buffering=0) as mem:
+        mem.seek(start)
+        mem.write(title.ljust(end - start, b"\0"))
 
 
 def _setns(libc: ctypes.CDLL, fd: int, flag: int) -> None:

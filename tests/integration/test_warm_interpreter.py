@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import uuid
 from pathlib import Path
 from uuid import UUID
 
 import pytest
 
-from tests.integration.conftest import cli, flow_run_id
+from tests.integration.conftest import cli, cmdline, flow_run_id
 from tests.integration.test_jobs_end_to_end import read_run, write_job
 from tests.integration.test_worker_faults import until
 
@@ -23,9 +24,10 @@ pytestmark = [pytest.mark.integration,
               pytest.mark.skipif(os.geteuid() != 0, reason="a job's own user and namespaces need a worker as root")]
 
 FLOW = """
-import json, os, socket
+import json, os, socket, time
 from pathlib import Path
 from prefect import flow
+from prefect.settings import get_current_settings
 from e31_prefect import output_dir
 
 def in_memory(prefix):
@@ -72,7 +74,9 @@ def second(own: str, warm_socket: str, first_paths: list) -> dict:
             "environ": environ,
             "files": {path: attempt(lambda path=path: Path(path).read_bytes()) for path in first_paths},
             "first_tmp": attempt(lambda: Path("/tmp/first-was-here.txt").read_bytes()),
-            "uid": os.getuid()}
+            "uid": os.getuid(),
+            "prefect": [str(get_current_settings().home), str(get_current_settings().profiles_path)],
+            "home": os.environ["PREFECT_HOME"]}
     def ask_the_interpreter():
         folder, name = os.path.split(warm_socket)
         handle = os.open(folder, os.O_PATH)
@@ -84,13 +88,21 @@ def second(own: str, warm_socket: str, first_paths: list) -> dict:
     seen["interpreter"] = attempt(ask_the_interpreter)
     (output_dir() / "seen.json").write_text(json.dumps(seen))
     return {"looked": len(mine)}
+
+@flow
+def waits(go: str) -> str:
+    # Its process forked, it waits to be told to go on (the test kills the interpreter meanwhile).
+    (output_dir() / "started.txt").write_text("started")
+    while not os.path.exists(go):
+        time.sleep(0.1)
+    return "went on"
 """
 
 
 def forked_runs(home: Path) -> dict[str, bool]:
     """Each run on the host, by id: whether its job's process was forked by the warm interpreter."""
     lines = [json.loads(line) for line in (home / "accounting.jsonl").read_text().splitlines() if line.strip()]
-    return {line["run_id"]: any("warm interpreter" in note for note in line.get("notes", [])) for line in lines}
+    return {line["run_id"]: line.get("warm", False) for line in lines}
 
 
 def submit(folder: Path, pool: str, text: str) -> UUID:
@@ -142,7 +154,50 @@ def test_a_job_forked_after_another_holds_nothing_of_it_nor_of_the_worker_and_ca
     assert worker_secret not in seen["memory"]["worker"], "the worker's environment in the job's memory"
     assert first_secret not in seen["environ"] and worker_secret not in seen["environ"]
     assert seen["uid"] != 0
+    # Prefect's settings are the run's, read from its environment, not those the interpreter loaded Prefect with.
+    assert seen["prefect"] == [seen["home"], f"{seen['home']}/profiles.toml"]
     assert all(result != "done" for result in seen["files"].values()), seen["files"]
     assert seen["first_tmp"] == "FileNotFoundError"  # its /tmp is its own
     assert seen["interpreter"] in ("FileNotFoundError", "PermissionError", "ConnectionRefusedError",
                                    "ConnectionResetError", "BrokenPipeError"), seen["interpreter"]
+
+
+def interpreters_of(host) -> list[int]:
+    """The host's warm interpreter processes (not their launchers: children of the interpreter)."""
+    found = [pid for pid in host.processes() if b"e31_prefect.host.warm_interpreter" in cmdline(pid)]
+    return [pid for pid in found if int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            not in found]
+
+
+def test_a_killed_warm_interpreter_loses_no_run_it_forked_and_is_started_again(prefect_server, tmp_path, pool,
+                                                                               hosts):
+    host = hosts("killed").start()
+    go = tmp_path / "running" / "go"  # in its job's folder: the rest of /tmp is not in a job's view
+    try:
+        running = submit(tmp_path / "running", pool, f"""
+            name: running
+            work: {{flow: "flow.py:waits", parameters: {{go: "{go}"}}}}
+            request: {{gpus: 0, max_duration: 5m}}
+            output: {{to: ./out/}}
+            """)
+        until(lambda: read_run(running).state.is_running(), 240, "the first job running")
+        killed = until(lambda: interpreters_of(host), 30, "the warm interpreter running")
+        for pid in killed:
+            os.kill(pid, signal.SIGKILL)
+        go.write_text("")
+        until(lambda: completed(running), 120, "the run forked by the killed interpreter completing")
+        (tmp_path / "after").mkdir()
+        (tmp_path / "after" / "go").write_text("")  # it goes on at once
+        after = submit(tmp_path / "after", pool, f"""
+            name: after
+            work: {{flow: "flow.py:waits", parameters: {{go: "{tmp_path / 'after' / 'go'}"}}}}
+            request: {{gpus: 0, max_duration: 5m}}
+            output: {{to: ./out/}}
+            """)
+        until(lambda: completed(after), 240, "a run after the interpreter was killed completing")
+        assert not set(interpreters_of(host)) & set(killed)
+    finally:
+        host.stop()
+    forked = forked_runs(host.home)
+    assert forked.get(str(running)) and forked.get(str(after)), forked
+    assert read_run(running).state.is_completed() and read_run(after).state.is_completed()
