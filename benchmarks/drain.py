@@ -247,6 +247,7 @@ def main() -> None:
     parser.add_argument("--backlog", type=int, default=10000, help="due runs for the poll measurement (0: skip)")
     parser.add_argument("--polls", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--sides", default="e31,process", help="which sides drain (e31 alone: to profile it)")
     args = parser.parse_args()
     home = Path(tempfile.mkdtemp(prefix="e31-drain-"))
     home.chmod(0o755)  # a job's own user reads its code here, as in a checked-out project
@@ -271,7 +272,8 @@ def main() -> None:
     results: dict[str, list[dict[str, float]]] = {"e31": [], "process": []} if args.runs else {}
     try:
         for round_ in range(args.rounds if args.runs else 0):
-            for kind in ("e31", "process") if round_ % 2 == 0 else ("process", "e31"):
+            for kind in [k for k in (("e31", "process") if round_ % 2 == 0 else ("process", "e31"))
+                         if k in args.sides.split(",")]:
                 print(f"round {round_ + 1}: {kind} draining {args.runs} runs ...", flush=True)
                 figures = drain(sides[kind], f"drain-{kind}-{round_}", args.runs, args.workers)
                 results[kind].append(figures)
@@ -294,7 +296,7 @@ def main() -> None:
     def mid(kind: str, name: str) -> float:
         return median(r[name] for r in results[kind])
 
-    if results:
+    if results and all(results.values()):
         print(f"\n{args.runs} runs x {args.rounds} round(s), {args.workers} workers x {args.slots} slots, PostgreSQL")
         print(f"{'':28}{'e31':>10}{'process':>10}")
         for name, label in (("runs_per_min", "runs/min"), ("not_completed", "runs not completed"),
