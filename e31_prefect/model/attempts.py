@@ -163,6 +163,16 @@ def verdict(loss: Loss, rented: bool, earlier_losses: int, attempts: int, now: d
                                     f"({left} rented attempt(s) left).")
 
 
+def taken_since_silence(taken: datetime | None, handed_over: datetime | None, last_heard: datetime) -> bool:
+    """Whether a run judged lost with its host was taken again after that host fell silent (by another worker,
+    that has not labelled it its own yet): its last take is after the host's last heartbeat, and nothing of
+    the attempt followed that take. A hand-over (or the flow's start) after the take is the lost host's own
+    attempt going on: that host lived past the take, though no heartbeat said so before it was lost."""
+    if taken is None or taken <= last_heard:
+        return False
+    return handed_over is None or handed_over < taken
+
+
 def retries_after_loss(retries: int | None, was_running: bool) -> int | None:
     """The run's own Prefect retries after a loss: Prefect counts each entry into Running against them, so a
     run that was Running when its host was lost gets that one back (its own failures keep every retry)."""

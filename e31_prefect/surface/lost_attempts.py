@@ -113,9 +113,8 @@ async def end_lost_attempt(worker: Any, flow_run_id: UUID, loss: Loss, host: str
         return None  # it moved on since it was judged: ended, requeued, or taken elsewhere
     states = await client.read_flow_run_states(run.id)
     taken, rented, running = _attempt_marks(states, labels)
-    if taken is not None and taken > loss.last_heard:
-        # Taken after its host fell silent: by another worker, that has not labelled it its own yet.
-        return None
+    if attempts.taken_since_silence(taken, rented, loss.last_heard):
+        return None  # another worker has it, and has not labelled it its own yet
     earlier = attempts.rented_losses(s.name or "" for s in states)
     attempt = attempts.attempt_of(labels)
     now = datetime.now(timezone.utc)

@@ -115,3 +115,14 @@ def test_e31_queue_names_a_requeued_runs_attempt_and_not_a_first_one():
     assert attempts.shown_name("amber-otter", {"e31.attempt": 2}) == "amber-otter (attempt 2)"
     assert attempts.shown_name("amber-otter", {}) == "amber-otter"
     assert attempts.shown_name("amber-otter", None) == "amber-otter"
+
+
+def test_a_run_taken_after_its_host_fell_silent_is_another_workers_unless_its_host_handed_it_over_after():
+    heard = datetime(2026, 12, 7, 13, 9, 39, 500000, tzinfo=timezone.utc)
+    taken = heard + timedelta(seconds=0.4)  # the lost host took it just after its last heartbeat
+    assert attempts.taken_since_silence(taken, None, heard)  # nothing after the take: another worker's take
+    assert attempts.taken_since_silence(taken, heard - timedelta(seconds=5), heard)  # an earlier attempt's
+    # The host handed it over (or its flow started) after taking it: its own attempt, lost with it.
+    assert not attempts.taken_since_silence(taken, taken + timedelta(seconds=1.5), heard)
+    assert not attempts.taken_since_silence(heard - timedelta(seconds=1), None, heard)  # taken before the silence
+    assert not attempts.taken_since_silence(None, None, heard)
