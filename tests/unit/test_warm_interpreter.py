@@ -57,54 +57,40 @@ def test_a_message_past_the_bound_is_refused_before_it_is_all_read(monkeypatch):
             Lines(ours).next()
 
 
-def test_a_retitled_process_shows_its_new_words_and_nothing_of_its_old_ones(tmp_path: Path):
-    secret = "e31-old-argument-" + "x" * 40
+def shown_after_retitle(words: list[str], folder: Path) -> tuple[bytes, bytes]:
+    """A forked child's command line once it retitled itself as ``words``, and this process's own."""
     child = os.fork()
     if child == 0:  # pragma: no cover - the child ends in os._exit
         code = 1
         try:
-            warm_interpreter.retitle(["e31-launcher", "run-1"])
-            (tmp_path / "done").write_text("")
+            warm_interpreter.retitle(words)
+            (folder / "done").write_text("")
             time.sleep(30)
             code = 0
         finally:
             os._exit(code)
     try:
-        before = Path(f"/proc/{os.getpid()}/cmdline").read_bytes()
         deadline = time.monotonic() + 30
-        while not (tmp_path / "done").exists() and time.monotonic() < deadline:
+        while not (folder / "done").exists() and time.monotonic() < deadline:
             time.sleep(0.01)
-        shown = Path(f"/proc/{child}/cmdline").read_bytes()
-        assert shown.rstrip(b"\0").split(b"\0") == [b"e31-launcher", b"run-1"]
-        assert len(shown) == len(before)  # the arguments' memory, padded; the parent's own is untouched
-        assert Path(f"/proc/{os.getpid()}/cmdline").read_bytes() == before
-        assert secret.encode() not in shown
+        return Path(f"/proc/{child}/cmdline").read_bytes(), Path(f"/proc/{os.getpid()}/cmdline").read_bytes()
     finally:
         os.kill(child, 9)
         os.waitpid(child, 0)
+
+
+def test_a_retitled_process_shows_its_new_words_and_nothing_of_its_old_ones(tmp_path: Path):
+    before = Path(f"/proc/{os.getpid()}/cmdline").read_bytes()
+    shown, after = shown_after_retitle(["e31-launcher", "run-1"], tmp_path)
+    assert shown.rstrip(b"\0").split(b"\0") == [b"e31-launcher", b"run-1"]
+    assert len(shown) == len(before)  # the arguments' memory, padded; the parent's own is untouched
+    assert after == before
+    assert not set(before.split(b"\0")[1:]) & set(shown.split(b"\0")) - {b""}
 
 
 def test_a_title_longer_than_the_arguments_is_cut_to_them(tmp_path: Path):
-    child = os.fork()
-    if child == 0:  # pragma: no cover
-        code = 1
-        try:
-            warm_interpreter.retitle(["y" * 100_000])
-            (tmp_path / "done").write_text("")
-            time.sleep(30)
-            code = 0
-        finally:
-            os._exit(code)
-    try:
-        before = Path(f"/proc/{os.getpid()}/cmdline").read_bytes()
-        deadline = time.monotonic() + 30
-        while not (tmp_path / "done").exists() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        shown = Path(f"/proc/{child}/cmdline").read_bytes()
-        assert len(shown) == len(before) and shown.startswith(b"y" * (len(before) - 1))
-    finally:
-        os.kill(child, 9)
-        os.waitpid(child, 0)
+    shown, before = shown_after_retitle(["y" * 100_000], tmp_path)
+    assert len(shown) == len(before) and shown.startswith(b"y" * (len(before) - 1))
 
 
 def test_a_request_goes_whole_with_its_descriptors_however_large_its_environment():
