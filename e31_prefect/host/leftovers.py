@@ -169,6 +169,15 @@ def keyctl(*args: int | None) -> int:
     return ctypes.CDLL(None, use_errno=True).syscall(KEYCTL, *(ctypes.c_long(a or 0) for a in args))
 
 
+def become(uid: int) -> None:
+    """In a job's process, as root: the job's uid and group, no supplementary groups, a session keyring of
+    its own (see :func:`own_session_keyring`)."""
+    os.setgroups([])
+    os.setgid(uid)
+    os.setuid(uid)
+    own_session_keyring()
+
+
 def own_session_keyring() -> None:
     """In the job's process, as its uid: a session keyring of its own, not its supervisor's (the kernel's
     keyrings are no files: a key added to a shared session keyring would reach every job beside it)."""

@@ -203,13 +203,19 @@ def namespaces_of(pid: int) -> list[tuple[int, int]]:
 def join(namespaces: list[tuple[int, int]], cwd: str | None) -> None:
     """In a job's process, as root: into the namespaces of :func:`namespaces_of`, then its working folder as
     the job's view shows it (joining a mount namespace moves the root and working folder to its root)."""
-    libc = ctypes.CDLL(None, use_errno=True)
     here = cwd or os.getcwd()
     for handle, flag in namespaces:
-        if libc.setns(handle, flag) != 0:
-            error = ctypes.get_errno()
-            raise OSError(error, f"setns({flag:#x}) failed: {os.strerror(error)}")
+        setns(handle, flag)
     os.chdir(here)
+
+
+def setns(handle: int, flag: int) -> None:
+    """Move the calling process into the namespace ``handle`` is open on (``flag``: its kind; a PID
+    namespace takes only the caller's later children)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.setns(handle, flag) != 0:
+        error = ctypes.get_errno()
+        raise OSError(error, f"setns({flag:#x}) failed: {os.strerror(error)}")
 
 
 def _unshare(libc: ctypes.CDLL, flags: int) -> None:

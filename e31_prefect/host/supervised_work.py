@@ -98,10 +98,7 @@ class ProcessWork:
 
         def become_job_user() -> None:
             if uid is not None:
-                os.setgroups([])
-                os.setgid(uid)
-                os.setuid(uid)
-                leftovers.own_session_keyring()
+                leftovers.become(uid)
 
         def before_exec() -> None:  # as root, in the child: its cgroup, its namespaces, then its user
             if files:

@@ -1,6 +1,6 @@
 """The host's warm interpreter: Prefect and its engine loaded once, each process job's entry forked from it.
 
-    python -s -P -m e31_prefect.host.warm_interpreter SOCKET WORKER_PID    # started by the worker, as root
+    python -s -P -m e31_prefect.host.warm_interpreter FD WORKER_PID    # started by the worker, as root
 
 Loading Prefect, its engine and its client costs a job's process about 1.5 host CPU-seconds before its
 rent: no team pays for it, the host does, for every run. This interpreter loads them once, with nothing
@@ -34,7 +34,6 @@ import socket
 import struct
 import subprocess
 import sys
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -73,27 +72,20 @@ class WarmInterpreter:
         self.process: subprocess.Popen[bytes] | None = None
 
     def socket_path(self) -> Path:
-        """Its socket, started (again, where it ended) if need be."""
+        """Its socket, started (again, where it ended) if need be. The socket is bound here and inherited, so
+        it takes connections at once: they wait in its backlog while the interpreter loads Prefect."""
         if self.process is None or self.process.poll() is not None:
             self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)
             home = self.folder / "home"
             home.mkdir(mode=0o700, exist_ok=True)
-            with open(self.folder / "interpreter.log", "ab") as log:
+            with bind(self.path) as listening, open(self.folder / "interpreter.log", "ab") as log:
                 self.process = subprocess.Popen(
-                    [sys.executable, "-s", "-P", "-m", __spec__.name, str(self.path), str(os.getpid())],
+                    [sys.executable, "-s", "-P", "-m", __spec__.name, str(listening.fileno()), str(os.getpid())],
                     env={**self.environment, "HOME": str(home), "PREFECT_HOME": str(home / ".prefect")},
                     stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, cwd="/",
+                    pass_fds=(listening.fileno(),),
                     start_new_session=True)  # a Ctrl-C to the worker's group is not its
-            self._wait_bound()
         return self.path
-
-    def _wait_bound(self, seconds: float = 10.0) -> None:
-        """Until its socket exists (it binds before loading Prefect: connections wait for the load)."""
-        deadline = time.monotonic() + seconds
-        while not self.path.exists() and time.monotonic() < deadline:
-            if self.process is not None and self.process.poll() is not None:
-                return
-            time.sleep(0.005)
 
     def stop(self) -> None:
         """End it (its launchers, and the runs they hold, go on)."""
@@ -106,8 +98,8 @@ class WarmInterpreter:
 
 
 def bind(path: Path) -> socket.socket:
-    """The interpreter's listening socket at ``path``, open to its own user alone (reached by its folder's
-    descriptor: a socket's path may be at most 107 bytes)."""
+    """The interpreter's listening socket at ``path``, bound by its worker, open to their user alone (reached
+    by its folder's descriptor: a socket's path may be at most 107 bytes)."""
     with contextlib.suppress(FileNotFoundError):
         path.unlink()
     listening = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -156,14 +148,10 @@ class ForkedProcess:
         self.lines = lines
         self.returncode: int | None = None
 
-    def exited(self) -> bool:
-        """Whether the process has exited (its launcher may not have said how yet)."""
-        return bool(select.select([self.pidfd], [], [], 0)[0])
-
     def poll(self) -> int | None:
         """Its exit code once it exited (its launcher's word, waited for at most a few seconds: it reaps it at
         once), else None. A launcher that is gone says nothing: the process counts as killed."""
-        if self.returncode is None and self.exited():
+        if self.returncode is None and self.wait_gone(0):
             self.lines.conn.settimeout(EXIT_WORD_SECONDS)
             try:
                 message = self.lines.next() or {}
@@ -278,14 +266,13 @@ def launch(conn: socket.socket) -> int:
     request, fds = Request(**message), lines.fds
     retitle(["e31-launcher", request.env.get("PREFECT__FLOW_RUN_ID", "")])
     log, namespaces = fds[0], list(zip(fds[1:], request.namespaces, strict=True))
-    libc = ctypes.CDLL(None, use_errno=True)
     own = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
     if namespaces:
-        _setns(libc, *namespaces[0])  # only this process's later children enter it: the job's process
+        sandbox.setns(*namespaces[0])  # only this process's later children enter it: the job's process
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the job's process ends in os._exit
         os._exit(become_job(request, log, namespaces[1:], conn))
-    _setns(libc, own, sandbox.CLONE_NEWPID)
+    sandbox.setns(own, sandbox.CLONE_NEWPID)
     pidfd = os.pidfd_open(pid)
     for fd in (own, *fds):
         os.close(fd)
@@ -313,18 +300,14 @@ def become_job(request: Request, log: int, namespaces: list[tuple[int, int]], co
         os.dup2(log, 2)
         if request.cgroup_files:
             cgroups.join([Path(p) for p in request.cgroup_files])
-        libc = ctypes.CDLL(None, use_errno=True)
         if namespaces:
             sandbox.join(namespaces, request.cwd)
         elif request.cwd:
             os.chdir(request.cwd)
         if request.uid is not None:
-            os.setgroups([])
-            os.setgid(request.uid)
-            os.setuid(request.uid)
-            leftovers.own_session_keyring()
+            leftovers.become(request.uid)
             # A new uid makes a process undumpable (its /proc files root's), as exec would not: it is the job's.
-            libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)
         conn.close()
         os.closerange(3, os.sysconf("SC_OPEN_MAX"))  # nothing of the launcher's: only its standard streams
         os.environ.clear()
@@ -364,20 +347,13 @@ def retitle(words: list[str]) -> None:
         mem.write(title.ljust(end - start, b"\0"))
 
 
-def _setns(libc: ctypes.CDLL, fd: int, flag: int) -> None:
-    if libc.setns(fd, flag) != 0:
-        error = ctypes.get_errno()
-        raise OSError(error, f"setns({flag:#x}) failed: {os.strerror(error)}")
-
-
 def main() -> None:
-    """Bind, load Prefect and the engine (connections wait meanwhile), then serve until the worker is gone."""
-    path, parent = Path(sys.argv[1]), int(sys.argv[2])
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    """Load Prefect and the engine (connections wait meanwhile on the socket the worker bound and passed),
+    then serve until the worker is gone."""
+    listening, parent = socket.socket(fileno=int(sys.argv[1])), int(sys.argv[2])
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != parent:  # the worker died before the line above
         return
-    listening = bind(path)
     from e31_prefect import job_entry
 
     job_entry.prepare_engine()
