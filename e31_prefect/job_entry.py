@@ -56,6 +56,9 @@ WORK_ENDED_VARIABLE = "E31_WORK_ENDED"
 HAND_OVER_VARIABLE = "E31_HAND_OVER"  # the pipe the supervisor hands the run's devices over on
 SHARDS_VARIABLE = "E31_SHARDS"  # a sharded job's settings (e31_prefect.model.shards)
 API_SOCKET_VARIABLE = "E31_API_SOCKET"  # the run's gateway to the Prefect API (see e31_prefect.host.gateway)
+# The folder the flow runs in, where the deployment's pull steps would only move there: the entry moves there at
+# the hand-over and its engine loads the flow from PREFECT__FLOW_ENTRYPOINT (e31_prefect.runtimes.process).
+FLOW_FOLDER_VARIABLE = "E31_FLOW_FOLDER"
 READY = "ready"  # the entry's first word to its supervisor: Prefect is loaded, hand the devices over
 OUTCOMES = ("completed", "failed", "crashed", "cancelled")  # its word as the flow returns: the state it reports
 UNREPORTED = "unreported"  # its last word where the API did not take that state in time: the worker reports it
@@ -474,6 +477,7 @@ def main(loaded: bool = False) -> None:
     hand_over = os.environ.pop(HAND_OVER_VARIABLE, None)
     api_socket = os.environ.pop(API_SOCKET_VARIABLE, None)
     api_url = os.environ.get("PREFECT_API_URL")
+    flow_folder = os.environ.pop(FLOW_FOLDER_VARIABLE, None)
     if api_socket:
         os.environ["PREFECT_API_URL"] = forward_api(api_socket)
     prepare_engine()
@@ -486,9 +490,12 @@ def main(loaded: bool = False) -> None:
         if hand_over:
             control = {name: value for name, value in ((WORK_ENDED_VARIABLE, path),
                                                        (API_SOCKET_VARIABLE, api_socket),
+                                                       (FLOW_FOLDER_VARIABLE, flow_folder),
                                                        ("PREFECT_API_URL", api_url)) if value}
             start_again_with(wait_for_hand_over(hand_over), control)
         take_report_seconds()
+        if flow_folder:
+            os.chdir(flow_folder)  # as the deployment's pull step would have (its settings files read already)
         start_shards()
         # The engine was imported before the hand-over, on purpose: runpy's warning that it was is noise.
         warnings.filterwarnings("ignore", "'prefect.engine' found in sys.modules", RuntimeWarning)

@@ -21,7 +21,7 @@ from e31_prefect.data.results import result_environment
 from e31_prefect.host import job_users
 from e31_prefect.host.inventory import visible_devices_env
 from e31_prefect.host.ledger import Spec
-from e31_prefect.job_entry import entry_arguments
+from e31_prefect.job_entry import FLOW_FOLDER_VARIABLE, entry_arguments
 from e31_prefect.model import endings
 from e31_prefect.runtimes import (
     API_SOCKET_VARIABLE,
@@ -51,9 +51,11 @@ class ProcessRuntime:
     died = endings.PROCESS_DIED
     loads_before_rent = True  # its devices are only variables, set by its entry at the hand-over
 
-    def __init__(self, settings: E31Settings, configuration: Any, warm: WarmInterpreter | None = None):
+    def __init__(self, settings: E31Settings, configuration: Any, warm: WarmInterpreter | None = None,
+                 api_csrf: bool = True):
         self.settings = settings
         self.configuration = configuration
+        self.api_csrf = api_csrf  # whether the Prefect API asks for CSRF tokens, as the worker's client found
         self.isolated = isolated(settings)
         self.warm = warm  # the worker's warm interpreter, which forks the job's entry with Prefect loaded
 
@@ -82,8 +84,9 @@ class ProcessRuntime:
                     "job_uids": [uids[0], uids[-1]],
                     "warm_interpreter": str(self.warm.socket_path()) if self.warm is not None else None,
                     } if self.isolated else {}
+        env = {**environment(placement, home), **known_answers(self.configuration, self.api_csrf)}
         return placement.spec(
-            self.name, argv=[sys.executable, *entry_arguments(user_site=False)], env=environment(placement, home),
+            self.name, argv=[sys.executable, *entry_arguments(user_site=False)], env=env,
             hand_over_env=job_variables(placement), cwd=str(placement.workspace), **isolated)
 
     async def start(self, placement: Placement, supervisor: Supervisor) -> None:
@@ -146,6 +149,35 @@ def environment(placement: Placement, home: Path) -> dict[str, str]:
             WORK_ENDED_VARIABLE: str(placement.folder.work_ended_pipe),
             HAND_OVER_VARIABLE: str(placement.folder.hand_over_pipe),
             API_SOCKET_VARIABLE: str(placement.folder.api_socket)}
+
+
+def known_answers(configuration: Any, api_csrf: bool) -> dict[str, str]:
+    """Prefect settings that spare a job's engine the API calls whose answers its worker already has; each
+    costs the server, the run's gateway and the job's own start (about 20 ms of host CPU a call).
+
+    - The server's version: the job's Prefect is the worker's own, which checked this server at its start.
+    - CSRF tokens, where the worker's client was told the API does not use them.
+    - The deployment: where its pull steps only move into a folder on this host, the entry moves there
+      itself at the hand-over and its engine loads the flow from the entrypoint at once (as Prefect's
+      runner does with ``PREFECT__FLOW_ENTRYPOINT``), instead of reading the deployment, running the step
+      and sending an event about it (a websocket and four reads for its related objects). The process
+      still starts in its workspace: Prefect reads settings files (``.env``, ``prefect.toml``) from where
+      it starts, and the job's folder is the job's.
+    """
+    settings = {"PREFECT_CLIENT_SERVER_VERSION_CHECK_ENABLED": "false"}
+    if not api_csrf:
+        settings["PREFECT_CLIENT_CSRF_SUPPORT_ENABLED"] = "false"
+    run_env = configuration.run_environment
+    if configuration.starts_in and configuration.entrypoint and "PREFECT__FLOW_ENTRYPOINT" not in run_env:
+        settings.update({"PREFECT__FLOW_ENTRYPOINT": configuration.entrypoint,
+                         FLOW_FOLDER_VARIABLE: configuration.starts_in})
+    return settings
+
+
+def csrf_in_use(client: Any) -> bool:
+    """Whether the Prefect API asks for CSRF tokens, as ``client`` (the worker's) found out: Prefect's client
+    asks on its first change and stops once told they are off. True until it knows otherwise."""
+    return getattr(getattr(client, "_client", None), "enable_csrf_support", True) is not False
 
 
 def job_variables(placement: Placement) -> dict[str, str | None]:

@@ -84,9 +84,9 @@ def runtime_for(job: Job, worker: Any, configuration: Any) -> Runtime:
         from e31_prefect.runtimes.container import ContainerRuntime
 
         return ContainerRuntime(worker, configuration)
-    from e31_prefect.runtimes.process import ProcessRuntime
+    from e31_prefect.runtimes.process import ProcessRuntime, csrf_in_use
 
-    return ProcessRuntime(worker.settings, configuration, worker.warm_interpreter())
+    return ProcessRuntime(worker.settings, configuration, worker.warm_interpreter(), csrf_in_use(worker.client))
 
 
 class JobLife(Adoption, Attempts, Sending, Watching):

@@ -126,6 +126,7 @@ class _Configuration(DockerWorkerJobConfiguration):
     _code_folder: Path | None = PrivateAttr(default=None)
     _entrypoint: str | None = PrivateAttr(default=None)
     _shards_start: tuple[list[str], str] | None = PrivateAttr(default=None)
+    _moves_into: str | None = PrivateAttr(default=None)
 
     @classmethod
     def json_template(cls) -> dict[str, Any]:
@@ -162,6 +163,7 @@ class _Configuration(DockerWorkerJobConfiguration):
         self._code_folder = code_folder(deployment)
         self._entrypoint = deployment.entrypoint if deployment else None
         self._shards_start = shards_start(flow_run, deployment)
+        self._moves_into = only_moves_into(deployment) if deployment and deployment.entrypoint else None
         entrypoint = (getattr(self, "work", None) or {}).get("flow")
         if deployment is None and entrypoint:
             # A run with no deployment (an @e31 flow) names its source file: the flow is loaded
@@ -189,6 +191,12 @@ class _Configuration(DockerWorkerJobConfiguration):
         """The ``env`` job variable as the deployment and the run give it (the job's own, as its work.env is;
         a null asks one of Prefect's variables unset)."""
         return dict(self.env if self._env_given is None else self._env_given)
+
+    @property
+    def starts_in(self) -> str | None:
+        """The folder the run's flow is loaded and run in where its deployment's pull steps do nothing but move
+        there (so its process can start there, its flow loaded from the entrypoint at once); else None."""
+        return self._moves_into
 
     @property
     def shards_start(self) -> tuple[list[str], str] | None:
@@ -241,20 +249,28 @@ E31JobConfiguration = create_model("E31JobConfiguration", __base__=_Configuratio
 SET_WORKING_DIRECTORY = "prefect.deployments.steps.set_working_directory"  # a local deployment's pull step
 
 
+def only_moves_into(deployment: DeploymentResponse | None) -> str | None:
+    """The folder a deployment's pull steps move into, where moving there is all they do (its only step, as
+    e31 submit and a local ``prefect deploy`` write) and it is a folder on this host; else None."""
+    steps = (deployment.pull_steps or []) if deployment is not None else []
+    if len(steps) != 1 or list(steps[0]) != [SET_WORKING_DIRECTORY]:
+        return None
+    step = steps[0][SET_WORKING_DIRECTORY]
+    folder = step.get("directory") if isinstance(step, dict) and list(step) == ["directory"] else None
+    return folder if isinstance(folder, str) and os.path.isabs(folder) and os.path.isdir(folder) else None
+
+
 def shards_start(flow_run: FlowRun, deployment: DeploymentResponse | None) -> tuple[list[str], str] | None:
     """The command a run of e31's command flow gives its shards (its parameter) and the folder they run in,
-    where nothing but moving into that folder comes first (the deployment's only pull step, as e31 submit
-    and a local ``prefect deploy`` write): the job's entry can start them before Prefect loads. Else None.
+    where nothing but moving into that folder comes first: the job's entry can start them before Prefect
+    loads. Else None.
     """
     if deployment is None or deployment.entrypoint != COMMAND_FLOW_ENTRYPOINT:
         return None
-    steps = deployment.pull_steps or []
-    if len(steps) != 1 or list(steps[0]) != [SET_WORKING_DIRECTORY]:
+    folder, command = only_moves_into(deployment), flow_run.parameters.get("command")
+    if folder is None or not (isinstance(command, list) and command and all(isinstance(p, str) for p in command)):
         return None
-    folder, command = steps[0][SET_WORKING_DIRECTORY].get("directory"), flow_run.parameters.get("command")
-    if not (isinstance(command, list) and command and all(isinstance(part, str) for part in command)):
-        return None
-    return (command, folder) if isinstance(folder, str) and os.path.isabs(folder) and os.path.isdir(folder) else None
+    return command, folder
 
 
 def code_folder(deployment: DeploymentResponse | None) -> Path | None:

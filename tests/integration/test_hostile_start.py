@@ -131,6 +131,47 @@ def test_a_logging_configuration_naming_a_factory_of_the_jobs_own_runs_it_only_a
     run_hostile(folder, pool)
 
 
+WHERE_FLOW = """
+import os
+from pathlib import Path
+from prefect import flow
+
+@flow
+def where() -> str:
+    Path(os.environ["E31_OUTPUT_DIR"], "cwd").write_text(os.getcwd())
+    return Path("data.txt").read_text()
+"""
+
+
+def test_settings_files_in_the_jobs_folder_act_only_after_the_rent_and_the_flow_runs_there(
+        prefect_server, tmp_path, pool):
+    # The flow runs in its folder (where its deployment's pull step moves), yet the process that waits for the
+    # hand-over starts elsewhere: Prefect reads settings files (.env, prefect.toml) from where it starts.
+    import prefect.logging
+
+    folder = tmp_path / "settings-files"
+    folder.mkdir()
+    (folder / "record.py").write_text(RECORD_PY)
+    (folder / "data.txt").write_text("read from the job's folder")
+    default = (Path(prefect.logging.__file__).parent / "logging.yml").read_text()
+    (folder / "logging.yml").write_text(
+        default + f"\nfilters:\n  hostile:\n    (): runpy.run_path\n    path_name: {folder / 'record.py'}\n")
+    (folder / ".env").write_text(f"PREFECT_LOGGING_CONFIG_PATH={folder / 'logging.yml'}\n")
+    (folder / "prefect.toml").write_text(f'[logging]\nconfig_path = "{folder / "logging.yml"}"\n')
+    write_job(folder, f"""
+        name: {folder.name}
+        work: {{flow: "flow.py:where"}}
+        request: {{gpus: 1, max_duration: 5m}}
+        output: {{to: ./out/}}
+        """, flow=WHERE_FLOW)
+    result = cli("e31", "run", str(folder / "job.yaml"), "--pool", pool, gpus="1xH100")
+    assert result.returncode == 0 and ": Completed" in result.stdout, result.stdout + result.stderr
+    assert (folder / "out" / "cwd").read_text() == str(folder)
+    if (folder / "out" / FIRST_RAN).exists():  # Prefect may read them once the job is the job's
+        rented = rented_at(flow_run_id(result.stdout))
+        assert first_ran(folder / "out") > rented, "a settings file of the job's acted before the hand-over"
+
+
 def test_a_forged_pyc_under_the_jobs_pycache_prefix_runs_only_after_the_rent(prefect_server, tmp_path, pool):
     import importlib._bootstrap_external as bootstrap
     import importlib.util
