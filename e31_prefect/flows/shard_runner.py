@@ -224,6 +224,11 @@ def run_shards(command: Sequence[str], settings: ShardSettings, env: Mapping[str
 
     def finish(shard: int, number: int, slot: int, code: int, left: bool) -> None:
         kept = logs[slot].hand_over(f"{launcher.folder(shard)}/{SHARD_LOG}", number, left)
+        if not kept and not left:
+            # A quiet shard leaves no empty folder: a hundred thousand of them would fill the output dir's bound
+            # on files with nothing. A folder the shard wrote in is not empty, and stays.
+            with contextlib.suppress(OSError):
+                os.rmdir(launcher.folder(shard))
         outcome = schedule.finish(shard, code, output_tail(Path(kept)) if code and kept else "")
         free.append(slot)
         on_attempt(Attempt(shard, outcome, number, schedule.failures.get(shard)))

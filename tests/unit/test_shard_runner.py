@@ -96,14 +96,17 @@ def test_a_job_seeing_fewer_devices_than_a_shard_needs_is_told_so(tmp_path):
         run_shards(["true"], ShardSettings(count=2, gpus_per_shard=2), {"CUDA_VISIBLE_DEVICES": "0"}, tmp_path)
 
 
-def test_quiet_shards_leave_only_their_folders_and_a_talking_one_its_log(tmp_path):
+def test_quiet_shards_leave_nothing_a_talking_one_its_log_and_a_writing_one_its_files(tmp_path):
     script = tmp_path / "quiet.py"
-    script.write_text("import os\nif os.environ['E31_SHARD_INDEX'] == '5': print('only five talks')\n")
+    script.write_text("import os\nindex = os.environ['E31_SHARD_INDEX']\n"
+                      "if index == '5': print('only five talks')\n"
+                      "if index == '7': open(os.path.join(os.environ['E31_OUTPUT_DIR'], 'x.npy'), 'w').close()\n")
     schedule = run_shards([sys.executable, str(script)], ShardSettings(count=20), {**os.environ,
                           "CUDA_VISIBLE_DEVICES": "0,1"}, tmp_path / "out")
     assert schedule.ok and schedule.succeeded == 20
     left = sorted(str(p.relative_to(tmp_path / "out")) for p in (tmp_path / "out").rglob("*"))
-    assert left == sorted([f"shard-{i}" for i in range(20)] + ["shard-5/shard.log"])  # no slot files, no empty logs
+    # No slot files, no empty logs, no empty folders.
+    assert left == ["shard-5", "shard-5/shard.log", "shard-7", "shard-7/x.npy"]
     assert (tmp_path / "out" / "shard-5" / "shard.log").read_text() == "only five talks\n"
 
 
