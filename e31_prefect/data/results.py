@@ -76,16 +76,16 @@ def state_reading_from(state: State[Any], url: str, storage_block_id: UUID | Non
     return Completed(name=state.name, message=state.message, data=record)
 
 
-async def point_result_at_outputs(client: PrefectClient, flow_run_id: UUID, output_dir: Path, destination: str,
-                                  storage: E31Storage | None,
+async def point_result_at_outputs(client: PrefectClient, flow_run_id: UUID, state: State | None, output_dir: Path,
+                                  destination: str, storage: E31Storage | None,
                                   log: logging.Logger | logging.LoggerAdapter) -> str | None:
-    """After the outputs were sent: the Completed run's result is read from its copy at the destination.
+    """After the outputs were sent: the Completed run's result (its ``state``, as read once they were) is read
+    from its copy at the destination.
 
     Returns the result's URL, or None where the run left no result in its results folder.
     """
     from e31_prefect.data.blocks import result_block_id
 
-    state = (await client.read_flow_run(flow_run_id)).state
     key = local_result_key(state, output_dir)
     if key is None or state is None:
         return None

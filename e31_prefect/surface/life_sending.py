@@ -122,7 +122,7 @@ class Sending:
             return endings.OUTPUT_MISSING.saying("Expected output missing: " + ", ".join(missing)
                                                  + f" (the run wrote {sent.files} file(s) to {destination})."
                                                  + not_sent)
-        await results.point_result_at_outputs(self.worker.client, self.run_id, output_dir, destination,
+        await results.point_result_at_outputs(self.worker.client, self.run_id, state, output_dir, destination,
                                               self.storage, self.log)
         if sent.skipped:
             await self._say_in_final_state(not_sent.strip())
