@@ -166,12 +166,27 @@ class Beating(threading.Thread):
             self._out = end is not None and (at or now()) >= end
         return self._out
 
+    def workers_heard(self, at: datetime) -> datetime | None:
+        """When a heartbeat of the host's workers reached the API, where that was within the last beat before
+        ``at`` (the host's variable is fresh); else None."""
+        heard = host_reached(self.host_file)
+        return heard if heard is not None and timedelta(0) <= at - heard < timedelta(seconds=self.every) else None
+
     def run(self) -> None:
         said: str | None = None
         while not self.stop.is_set():
             at = now()
             if self.expired(at):
                 return  # never extended again: the keeper and the supervisor stop the work
+            if (heard := self.workers_heard(at)) is not None:
+                # While the host's worker beats, a beat of the supervisor's own would say nothing more (one API
+                # call a run saved, and one a beat for each running job): the lease runs from the worker's, and
+                # records it as the last heartbeat this run knew of (what a lost attempt is billed to).
+                self.reached, self.until = heard, max(self.until, heard + self.fence)
+                with contextlib.suppress(OSError):
+                    write_lease(self.folder, self.until, self.reached)
+                self.stop.wait(self.every)
+                continue
             if self.api.put(host_variable(self.host), beat_value(self.host, at, self.lost_seconds), [HOST_TAG]) \
                     and not self.expired(at):
                 self.reached, self.until = at, at + self.fence
