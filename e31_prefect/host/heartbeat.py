@@ -167,10 +167,10 @@ class Beating(threading.Thread):
         return self._out
 
     def workers_heard(self, at: datetime) -> datetime | None:
-        """When a heartbeat of the host's workers reached the API, where that was within the last beat before
-        ``at`` (the host's variable is fresh); else None."""
+        """When a heartbeat of the host's workers reached the API, where that was within the last two beats
+        before ``at`` (the worker beats every beat, plus the time its watch takes); else None."""
         heard = host_reached(self.host_file)
-        return heard if heard is not None and timedelta(0) <= at - heard < timedelta(seconds=self.every) else None
+        return heard if heard is not None and timedelta(0) <= at - heard < timedelta(seconds=2 * self.every) else None
 
     def run(self) -> None:
         said: str | None = None
