@@ -153,7 +153,9 @@ def test_a_host_lost_with_everything_on_it_costs_its_run_a_delay_not_its_night(p
 
 
 def test_a_host_that_comes_back_wiped_ends_the_runs_it_held_at_once(prefect_server, tmp_path, pool, hosts):
-    run_id = submit(tmp_path, pool, "wiped", seconds=4)
+    # Long enough to be seen working on a loaded machine: the test looks for it between its hand-over's label
+    # and its end (4 s left that window shut, once in a few runs under load).
+    run_id = submit(tmp_path, pool, "wiped", seconds=12)
     a = hosts("host-a").start()
     until(lambda: running_on(a, run_id), 180, "the run starting on host A")
     a.lose()
