@@ -168,9 +168,9 @@ def known_answers(configuration: Any, api_csrf: bool) -> dict[str, str]:
     if not api_csrf:
         settings["PREFECT_CLIENT_CSRF_SUPPORT_ENABLED"] = "false"
     run_env = configuration.run_environment
-    if configuration.starts_in and configuration.entrypoint and "PREFECT__FLOW_ENTRYPOINT" not in run_env:
+    if configuration.flow_folder and configuration.entrypoint and "PREFECT__FLOW_ENTRYPOINT" not in run_env:
         settings.update({"PREFECT__FLOW_ENTRYPOINT": configuration.entrypoint,
-                         FLOW_FOLDER_VARIABLE: configuration.starts_in})
+                         FLOW_FOLDER_VARIABLE: configuration.flow_folder})
     return settings
 
 

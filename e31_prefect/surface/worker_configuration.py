@@ -126,7 +126,7 @@ class _Configuration(DockerWorkerJobConfiguration):
     _code_folder: Path | None = PrivateAttr(default=None)
     _entrypoint: str | None = PrivateAttr(default=None)
     _shards_start: tuple[list[str], str] | None = PrivateAttr(default=None)
-    _moves_into: str | None = PrivateAttr(default=None)
+    _flow_folder: str | None = PrivateAttr(default=None)
 
     @classmethod
     def json_template(cls) -> dict[str, Any]:
@@ -163,7 +163,7 @@ class _Configuration(DockerWorkerJobConfiguration):
         self._code_folder = code_folder(deployment)
         self._entrypoint = deployment.entrypoint if deployment else None
         self._shards_start = shards_start(flow_run, deployment)
-        self._moves_into = only_moves_into(deployment) if deployment and deployment.entrypoint else None
+        self._flow_folder = only_moves_into(deployment) if deployment and deployment.entrypoint else None
         entrypoint = (getattr(self, "work", None) or {}).get("flow")
         if deployment is None and entrypoint:
             # A run with no deployment (an @e31 flow) names its source file: the flow is loaded
@@ -193,10 +193,10 @@ class _Configuration(DockerWorkerJobConfiguration):
         return dict(self.env if self._env_given is None else self._env_given)
 
     @property
-    def starts_in(self) -> str | None:
-        """The folder the run's flow is loaded and run in where its deployment's pull steps do nothing but move
-        there (so its process can start there, its flow loaded from the entrypoint at once); else None."""
-        return self._moves_into
+    def flow_folder(self) -> str | None:
+        """The folder the run's flow runs in where its deployment's pull steps do nothing but move there (its
+        entry moves there itself at the hand-over, and loads the flow from the entrypoint at once); else None."""
+        return self._flow_folder
 
     @property
     def shards_start(self) -> tuple[list[str], str] | None:

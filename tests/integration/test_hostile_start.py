@@ -301,7 +301,7 @@ def test_no_file_in_the_runs_workspace_or_a_user_site_stands_in_for_a_module_bef
     site.mkdir(parents=True)
     (site / "usercustomize.py").write_text(planted)
     configuration = SimpleNamespace(env={}, run_environment={}, given_environment={}, shards_start=None,
-                                    starts_in=None, entrypoint=None, _code_folder=None, code_mount=lambda: None)
+                                    flow_folder=None, entrypoint=None, _code_folder=None, code_mount=lambda: None)
     job = parse_job({"name": "j", "work": {"command": ["true"]}, "request": {"gpus": 0, "max_duration": "1m"}})
     folder = RunFolder(tmp_path / "ledger")
     folder.path.mkdir()

@@ -26,7 +26,7 @@ def moves_into(folder: Path | str, **more: str) -> dict:
 
 def configuration(folder: str | None, entrypoint: str | None = "flow.py:train",
                   run_env: dict[str, str] | None = None) -> SimpleNamespace:
-    return SimpleNamespace(starts_in=folder, entrypoint=entrypoint, run_environment=run_env or {})
+    return SimpleNamespace(flow_folder=folder, entrypoint=entrypoint, run_environment=run_env or {})
 
 
 def test_a_deployment_that_only_moves_into_a_folder_here_names_it(tmp_path):
