@@ -34,6 +34,16 @@ def beating(tmp_path: Path, api: CountingApi) -> Beating:
     return Beating(folder, api, "host-a", 60.0, EVERY, 45.0, tmp_path / "heartbeat.json")
 
 
+def beat_once(beats: Beating, api: CountingApi) -> None:
+    """Start the supervisor's heartbeats, wait for its first write to the API, and stop them."""
+    beats.start()
+    try:
+        assert api.wrote.wait(30), "the supervisor never beat for its host"
+    finally:
+        beats.stop.set()
+        beats.join()
+
+
 def test_while_the_hosts_worker_beats_its_supervisor_adds_no_call_and_keeps_the_workers_beat(tmp_path):
     api = CountingApi()
     beats = beating(tmp_path, api)
@@ -57,12 +67,7 @@ def test_a_silent_worker_leaves_the_supervisor_beating_on_its_own(tmp_path):
     api = CountingApi()
     beats = beating(tmp_path, api)
     write_host_reached(tmp_path, now() - timedelta(seconds=10 * EVERY))  # its worker's last beat: long ago
-    beats.start()
-    try:
-        assert api.wrote.wait(30), "the supervisor never beat for its host"
-    finally:
-        beats.stop.set()
-        beats.join()
+    beat_once(beats, api)
     assert api.puts[0] == host_variable("host-a")
     assert read_lease(beats.folder)[1] is not None
 
@@ -70,9 +75,4 @@ def test_a_silent_worker_leaves_the_supervisor_beating_on_its_own(tmp_path):
 def test_with_no_worker_heartbeat_on_the_host_the_supervisor_beats_at_once(tmp_path):
     api = CountingApi()
     beats = beating(tmp_path, api)  # no heartbeat.json: `e31 run`, or a host whose worker never beat
-    beats.start()
-    try:
-        assert api.wrote.wait(30), "the supervisor never beat for its host"
-    finally:
-        beats.stop.set()
-        beats.join()
+    beat_once(beats, api)
