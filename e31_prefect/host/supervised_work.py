@@ -24,6 +24,7 @@ from e31_prefect.host.device_fence import DeviceFence
 from e31_prefect.host.ledger import Record, RunFolder, Spec, now
 from e31_prefect.host.warm_interpreter import ForkedProcess, NotServed
 
+GRACE_POLL_SECONDS = 0.05  # how often, in a stop, the supervisor looks for a job's processes still ending
 KILL_WAIT_SECONDS = 10.0  # a killed process is gone in milliseconds; one in uninterruptible sleep may take longer
 
 
@@ -54,9 +55,11 @@ class Work(Protocol):
     def kill(self) -> None:
         """Kill every process of the work, now."""
 
-    def stop_all(self) -> datetime:
-        """After its main process ended: every process of the work killed. Returns when its last process was
-        gone: from then no process of the job can use its devices."""
+    def stop_all(self, grace_until: datetime | None = None) -> datetime:
+        """After its main process ended: every process of the work killed. In a stop whose grace runs until
+        ``grace_until``, its other processes got the same SIGTERM as the main one and have until then to end
+        on their own. Returns when its last process was gone: from then no process of the job can use its
+        devices."""
 
     def open_devices(self, minors: list[int]) -> list[str]:
         """At the hand-over, before the work hears of it: open the rented GPUs (their minor numbers) to it;
@@ -87,6 +90,7 @@ class ProcessWork:
         self.process: subprocess.Popen[bytes] | ForkedProcess | None = None
         self._user: job_users.JobUser | None = None
         self._pidfd = -1
+        self._init: int | None = None  # the PID 1 of the job's own PID namespace, where it has one
         self._exit: Exit | None = None
 
     def start(self) -> str | None:
@@ -138,6 +142,7 @@ class ProcessWork:
         """
         with sandbox.own_pids():
             init = self._popen([sys.executable, "-I", "-S", job_init.__file__], {}, "/", init_before_exec)
+            self._init = init.pid
             try:
                 namespaces = sandbox.namespaces_of(init.pid)
                 try:
@@ -253,9 +258,22 @@ class ProcessWork:
             reap(but=None if self._exit else main)
             time.sleep(0.01)
 
-    def stop_all(self) -> datetime:
+    def stop_all(self, grace_until: datetime | None = None) -> datetime:
+        # A main process that ends at once on its SIGTERM does not cut its children's grace short: each one
+        # may still be saving its work when the main one is gone (a loaded host runs their handlers late).
+        while grace_until is not None and now() < grace_until and self._others_running():
+            time.sleep(GRACE_POLL_SECONDS)
         self.kill()
         return now()
+
+    def _others_running(self) -> bool:
+        """After its main process ended: whether another process of the job still runs. In its own PID
+        namespace, every process left is its init's (orphans are reparented there); otherwise its cgroup's
+        (with neither, nothing tells the job's processes from the supervisor's own: none is waited for)."""
+        if self._init is not None:
+            return bool(_descendants(self._init))
+        main = self.process.pid if self.process is not None else None
+        return bool(self.group.pids() - {main})
 
     def clean_up(self) -> None:
         self.kill()
@@ -374,7 +392,7 @@ class ContainerWork:
                 action()
                 return
 
-    def stop_all(self) -> datetime:
+    def stop_all(self, grace_until: datetime | None = None) -> datetime:
         # Docker ends every process of a container with its first: they were gone when it finished.
         return self._exit.at if self._exit is not None else now()
 

@@ -136,6 +136,7 @@ class Supervisor:
         self.wake = wake  # readable when a signal arrived
         self.stop_at = moment(spec.stop_at)
         self.kill_at: datetime | None = None
+        self.grace_until: datetime | None = None  # in a stop with a grace period: when it ends
         self.report_by: datetime | None = None
         self.ending = threading.Event()  # the work said it ended or is being stopped: its run may end (gateway)
         self.outputs_counted = time.monotonic()
@@ -341,6 +342,7 @@ class Supervisor:
         self.ending.set()
         if grace > 0:
             self.work.terminate(grace)
+            self.grace_until = at + timedelta(seconds=grace)
             extra = CONTAINER_STOP_EXTRA_SECONDS if isinstance(self.work, ContainerWork) else 0.0
             self.kill_at = at + timedelta(seconds=grace + extra)
         else:
@@ -352,7 +354,7 @@ class Supervisor:
         # back, and the meter stops, when its last process is gone. The record says so at once (the worker
         # takes the devices back from it); the slower sweep of what the work left on the host comes after.
         self.record.exited = exit_.at.isoformat()
-        self.record.ended = self.work.stop_all().isoformat()
+        self.record.ended = self.work.stop_all(self.grace_until).isoformat()
         self.record.exit_code = exit_.code
         fenced = fenced_at(self.folder.path)
         if fenced is not None and self.record.stop_reason in (None, "fenced"):

@@ -125,6 +125,7 @@ def on_sigterm(name):
 CHILD = '''
 import json, os, signal, sys, time
 def handle(signum, frame):
+    time.sleep(0.5)  # saving its work: the flow's process is gone by then, the child's grace is not
     open(sys.argv[1], "w").write("child got SIGTERM")
     os._exit(0)
 signal.signal(signal.SIGTERM, handle)

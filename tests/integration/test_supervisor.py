@@ -112,6 +112,39 @@ def test_the_time_limit_stops_the_work_and_every_descendant(tmp_path, use_cgroup
     assert not process_running(daemon)
 
 
+SLOW_TO_SAVE = '''
+import os, signal, subprocess, sys, time
+subprocess.Popen([sys.executable, "-c", """
+import signal, sys, time
+def save(*_):
+    time.sleep(float(sys.argv[2]))
+    open(sys.argv[1], "w").write("saved")
+    raise SystemExit(0)
+signal.signal(signal.SIGTERM, save)
+open(sys.argv[1] + ".armed", "w").write("armed")
+time.sleep(600)
+""", sys.argv[1], sys.argv[2]])
+signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+time.sleep(600)
+'''
+
+
+@pytest.mark.parametrize(("saving", "saved"), [(0.5, True), (600, False)], ids=["within-grace", "past-grace"])
+def test_a_child_keeps_its_grace_after_the_main_process_ends_on_sigterm(tmp_path, saving, saved):
+    """The main process ends at once on its SIGTERM; its child, which got the same SIGTERM, still has the rest
+    of the grace to save its work, and is killed at its end."""
+    save = tmp_path / "saved.txt"
+    supervisor = start(tmp_path / "run", SLOW_TO_SAVE, str(save), str(saving), seconds=2, grace_seconds=3)
+    wait_for(tmp_path / "saved.txt.armed")
+    record = finished(tmp_path / "run", supervisor)
+    assert record.ending == "timed-out" and record.exit_code == 0
+    assert save.exists() is saved
+    # Billed to its last process's end: after the child saved, or at the grace's end.
+    held = seconds_between(record.stop_requested, record.ended)
+    assert (0.5 <= held < 3) if saved else (3 <= held < 4.5), held
+    assert host_processes_with(str(save)) == []
+
+
 def test_a_job_that_ignores_sigterm_is_killed_after_its_grace(tmp_path):
     stubborn = "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\ntime.sleep(600)"
     record = finished(tmp_path / "run", start(tmp_path / "run", stubborn, seconds=1, grace_seconds=2))
