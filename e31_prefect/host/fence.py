@@ -1,6 +1,6 @@
 """A run's fence keeper: stops the run's work once its fence lease runs out, whatever its supervisor does.
 
-    python -s -m e31_prefect.host.fence $E31_HOME/ledger/<flow run id>   # started by the run's supervisor
+    python -s -m e31_prefect.host.fence $E31_HOME/ledger/<flow run id>   # or forked by the run's supervisor
 
 The supervisor extends the lease each time the Prefect API takes one of its heartbeats
 (:mod:`e31_prefect.host.heartbeat`). A host cut off from the API, or whose supervisor is stopped or hung,

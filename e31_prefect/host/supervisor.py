@@ -43,7 +43,6 @@ import select
 import selectors
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -53,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from e31_prefect.host import fdtree
+from e31_prefect.host import fence as fence_keeper
 from e31_prefect.host.gateway import Gateway, auth_header
 from e31_prefect.host.heartbeat import ApiVariables, Beating, fenced_at
 from e31_prefect.host.ledger import Record, RunFolder, Spec, append_line, moment, now, this_process
@@ -466,10 +466,32 @@ def _fence(spec: Spec, folder: RunFolder) -> Beating | None:
     api = ApiVariables(spec.api_upstream, auth_header(spec.api_key, spec.api_auth_string))
     beating = Beating(folder.path, api, spec.host, spec.host_lost_seconds, beat_seconds(spec.host_lost_seconds),
                       fence_seconds(spec.host_lost_seconds), Path(spec.host_beat_file) if spec.host_beat_file else None)
-    with open(folder.supervisor_log, "ab") as log:
-        subprocess.Popen([sys.executable, "-s", "-m", "e31_prefect.host.fence", str(folder.path)],
-                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log, close_fds=True, cwd="/")
+    _start_keeper(folder)
     return beating
+
+
+def _start_keeper(folder: RunFolder) -> None:
+    """The run's fence keeper (:mod:`e31_prefect.host.fence`), forked from this supervisor while it is still
+    single-threaded: its modules are loaded already, so it costs no interpreter start. It keeps none of the
+    supervisor's descriptors (its control socket, its pipes) and writes only to the supervisor's log."""
+    log = os.open(folder.supervisor_log, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        if os.fork() == 0:
+            code = 70
+            try:
+                signal.set_wakeup_fd(-1)
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                null = os.open(os.devnull, os.O_RDWR)
+                os.dup2(null, 0)
+                os.dup2(null, 1)
+                os.dup2(log, 2)
+                os.closerange(3, os.sysconf("SC_OPEN_MAX"))
+                os.chdir("/")
+                code = fence_keeper.main([str(folder.path)])
+            finally:
+                os._exit(code)  # nothing of the supervisor's (its exit handlers, its buffers) runs twice
+    finally:
+        os.close(log)
 
 
 def _become_subreaper() -> None:

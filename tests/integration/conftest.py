@@ -162,12 +162,18 @@ def host_processes_with(marker: str) -> list[int]:
     A process job has a PID namespace of its own, so the pids it writes down are not the host's: a test
     finds the job's processes by a marker in their command line instead."""
     found = set()
-    for task in Path("/proc").glob("[0-9]*/task/*"):
-        try:
-            if marker.encode() in (task / "cmdline").read_bytes() and " Z " not in (task / "stat").read_text():
-                found.add(int(task.parent.parent.name))
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:  # a process may end at any point of the walk (pathlib's glob raises where its folder went)
+            tasks = os.listdir(f"/proc/{pid}/task")
         except OSError:
             continue
+        for task in tasks:
+            try:
+                path = Path("/proc", pid, "task", task)
+                if marker.encode() in (path / "cmdline").read_bytes() and " Z " not in (path / "stat").read_text():
+                    found.add(int(pid))
+            except OSError:
+                continue
     return sorted(found)
 
 

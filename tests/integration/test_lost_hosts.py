@@ -207,13 +207,19 @@ def test_a_cut_off_host_stops_its_work_before_the_pool_runs_it_elsewhere(prefect
     assert all(len(versions) == 1 for versions in meters(run_id).values())
 
 
+def ended_and_billed(run_id: UUID) -> bool:
+    run = read_run(run_id)
+    return run.state.is_final() and any(t.startswith("e31:billed-s=") for t in run.tags)
+
+
 def test_a_run_out_of_attempts_ends_host_lost_saying_why(prefect_server, tmp_path, pool, hosts):
     run_id = submit(tmp_path, pool, "once", seconds=600)
     a = hosts("host-a", E31_HOST_ATTEMPTS="1").start()
     until(lambda: running_on(a, run_id), 180, "the run starting on host A")
     hosts("host-b", E31_HOST_ATTEMPTS="1").start()
     a.lose()
-    until(lambda: read_run(run_id).state.is_final(), 120, "the pool ending the run")
+    # Its bill's tags come just after its final state (as every run's do): waited for both.
+    until(lambda: ended_and_billed(run_id), 120, "the pool ending the run and closing its meter")
     run = read_run(run_id)
     assert run.state.name == "HostLost" and run.state.is_failed(), run.state
     assert "all it may (E31_HOST_ATTEMPTS=1)" in run.state.message

@@ -195,15 +195,14 @@ def test_cancelling_a_sharded_run_stops_every_running_shard(prefect_server, tmp_
 
 
 STAMP = """\
-import json, os, sys, time
+import json, os, sys
 from pathlib import Path
 (Path(os.environ["E31_OUTPUT_DIR"]) / "started.json").write_text(
-    json.dumps({"at": time.time(), "cwd": os.getcwd(), "argv": sys.argv[1:]}))
+    json.dumps({"cwd": os.getcwd(), "argv": sys.argv[1:]}))
 """
 
 
-def test_shards_start_before_prefect_has_loaded_the_flow_running_the_runs_own_command(prefect_server, tmp_path,
-                                                                                        pool):
+def test_shards_run_the_runs_own_command_in_the_jobs_folder(prefect_server, tmp_path, pool):
     folder = tmp_path / "stamps"
     folder.mkdir()
     (folder / "stamp.py").write_text(STAMP)
@@ -230,8 +229,9 @@ def test_shards_start_before_prefect_has_loaded_the_flow_running_the_runs_own_co
     stamps = [json.loads((folder / "out" / f"shard-{i}" / "started.json").read_text()) for i in range(4)]
     assert {tuple(stamp["argv"]) for stamp in stamps} == {("as-asked",)}
     assert {stamp["cwd"] for stamp in stamps} == {str(folder)}
-    # Prefect marks the run Running once its engine has loaded the flow: the shards were already under way.
-    assert min(stamp["at"] for stamp in stamps) < run.start_time.timestamp()
+    # That they start before the engine loads the flow is tests/unit/test_entry_order.py's: a shard's own stamp
+    # comes an interpreter's start after its fork, and an engine that loads the flow from its entrypoint may
+    # mark the run Running first.
 
 
 # -- a sharded work.flow: the same shards, each a call of the flow with its shard as parameters ------
