@@ -57,6 +57,7 @@ from e31_prefect.host.gateway import Gateway, auth_header
 from e31_prefect.host.heartbeat import ApiVariables, Beating, fenced_at
 from e31_prefect.host.ledger import Record, RunFolder, Spec, append_line, moment, now, this_process
 from e31_prefect.host.supervised_work import ContainerWork, Exit, ProcessWork, Work
+from e31_prefect.host.warm_interpreter import retitle
 from e31_prefect.job_entry import OUTCOMES, READY, UNREPORTED
 
 PR_SET_CHILD_SUBREAPER = 36
@@ -487,6 +488,8 @@ def _start_keeper(folder: RunFolder) -> None:
                 os.dup2(log, 2)
                 os.closerange(3, os.sysconf("SC_OPEN_MAX"))
                 os.chdir("/")
+                # Named as the keeper it is, never as a run's supervisor (whose command line names a lock's holder).
+                retitle([sys.executable, "-m", fence_keeper.__name__, str(folder.path)])
                 code = fence_keeper.main([str(folder.path)])
             finally:
                 os._exit(code)  # nothing of the supervisor's (its exit handlers, its buffers) runs twice

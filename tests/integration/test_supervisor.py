@@ -304,7 +304,7 @@ def test_the_devices_stay_rented_until_the_supervisor_ends(tmp_path):
 
 
 def _memory_cgroup() -> bool:
-    group = cgroups.RunGroup.create("probe-memory", 64 * 2**20, None)
+    group = cgroups.RunGroup.create(f"probe-memory-{os.getpid()}", 64 * 2**20, None)
     try:
         return group.limits["memory"]
     finally:
@@ -355,7 +355,7 @@ def opens(folder):
 
 
 def _device_rules() -> bool:
-    group = cgroups.RunGroup.create("probe-devices", None, None)
+    group = cgroups.RunGroup.create(f"probe-devices-{os.getpid()}", None, None)
     try:
         fence = DeviceFence.create(group.v2, group.v1.get("devices"))
         fence.close()
