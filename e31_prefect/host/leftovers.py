@@ -4,9 +4,10 @@ A process job's uid is reused (:mod:`e31_prefect.host.job_users`). Where it coul
 (a world-writable folder: ``/tmp``, ``/var/tmp``, ``/dev/shm``, ``/run/lock`` ...) its supervisor gives
 it a private folder instead (:mod:`e31_prefect.host.sandbox`), and its own IPC namespace. As a safety net
 (a folder made world-writable while the run ran, a job of an older e31), the supervisor removes what
-the uid owns there, and its SysV IPC objects, when its run ends and again when it claims the uid (a
-supervisor killed outright never swept). Both look :data:`SEARCH_DEPTH` folders deep, on local
-filesystems: a world-writable folder deeper down, or on a network filesystem, is the operator's to close.
+the uid owns there, and its SysV IPC objects, when its run ends (in the folders its start found) and
+again when it claims the uid (searched afresh: a supervisor killed outright never swept). Both look
+:data:`SEARCH_DEPTH` folders deep, on local filesystems: a world-writable folder deeper down, or on a
+network filesystem, is the operator's to close.
 
 A process still running as the uid (its supervisor was killed outright, so nothing killed its work)
 is killed first: an unsupervised job never shares a uid with the next one.
@@ -41,6 +42,7 @@ PSEUDO = frozenset({"proc", "sysfs", "cgroup", "cgroup2", "devpts", "mqueue", "d
 REMOTE = frozenset({"nfs", "nfs4", "cifs", "smb3", "smbfs", "ceph", "glusterfs", "lustre", "9p", "afs",
                     "fuse.sshfs", "fuse.s3fs", "fuse.gcsfuse", "fuse.rclone"})
 SYSVIPC = Path("/proc/sysvipc")
+KILL_ALL_ROUNDS = 3  # kill(-1) as the uid: its processes forking meanwhile are caught by the next round
 IPC_RMID = 0
 
 
@@ -62,8 +64,11 @@ def world_writable(root: Path = Path("/"), depth: int = SEARCH_DEPTH) -> list[Pa
         skip = unsearched_mounts(Path("/proc/self/mountinfo").read_text())
     except OSError:
         skip = set()
-    found: list[Path] = []
-    stack = [(root, 0)]
+    # Paths as strings until the end: each run's supervisor searches a few thousand folders, and a Path
+    # for each doubled the search's time.
+    unsearched = {str(path) for path in skip}
+    found: list[str] = []
+    stack = [(str(root), 0)]
     while stack:
         folder, level = stack.pop()
         if level >= depth:
@@ -73,17 +78,16 @@ def world_writable(root: Path = Path("/"), depth: int = SEARCH_DEPTH) -> list[Pa
                 try:  # the folder's own listing says which are folders: only those cost a stat
                     if not entry.is_dir(follow_symlinks=False):
                         continue
-                    info = entry.stat(follow_symlinks=False)
+                    mode = entry.stat(follow_symlinks=False).st_mode
                 except OSError:
                     continue
-                path = Path(entry.path)
-                if not info.st_mode & stat.S_IXOTH or path in skip:
+                if not mode & stat.S_IXOTH or entry.path in unsearched:
                     continue
-                if info.st_mode & stat.S_IWOTH:
-                    found.append(path)
+                if mode & stat.S_IWOTH:
+                    found.append(entry.path)
                 else:
-                    stack.append((path, level + 1))
-    return sorted(found)
+                    stack.append((entry.path, level + 1))
+    return sorted(map(Path, found))
 
 
 def sweep_files(uid: int, folders: Iterable[Path]) -> list[str]:
@@ -198,11 +202,11 @@ def as_uid(uid: int) -> None:
             os.setgroups([])
             os.setgid(uid)
             os.setuid(uid)
-            for _ in range(1000):
-                try:
+            # kill(-1) succeeds wherever the host has any other process (one it may not signal counts too), so
+            # its answer never says the uid's are gone: a few rounds, then the caller's scan of /proc says it.
+            for _ in range(KILL_ALL_ROUNDS):
+                with contextlib.suppress(ProcessLookupError):
                     os.kill(-1, signal.SIGKILL)
-                except ProcessLookupError:
-                    break
             keyctl(KEYCTL_CLEAR, KEY_SPEC_USER_KEYRING)
             keyctl(KEYCTL_CLEAR, KEY_SPEC_USER_SESSION_KEYRING)
         except BaseException:

@@ -91,11 +91,15 @@ class ProcessWork:
         self._user: job_users.JobUser | None = None
         self._pidfd = -1
         self._init: int | None = None  # the PID 1 of the job's own PID namespace, where it has one
+        # The host's world-writable folders as its start found them: the end sweeps the uid's files there (one
+        # made world-writable since is swept when the uid is claimed next, before another job has it).
+        self._searched: list[Path] | None = None
         self._exit: Exit | None = None
 
     def start(self) -> str | None:
         # The host's world-writable folders (milliseconds): the job gets private ones in their place.
         temps = leftovers.world_writable() if self.spec.job_view else []
+        self._searched = temps if self.spec.job_view else None
         files, private, uid = self.group.join_files, self.spec.private_network, self._job_uid(temps)
         view = sandbox.plan_view(map(Path, self.spec.job_view), temps=temps, hides=map(Path, self.spec.job_hidden),
                                  temp_bytes=self.spec.job_temp_bytes) if self.spec.job_view else None
@@ -281,7 +285,8 @@ class ProcessWork:
         self.group.remove()
         self.fence.close()
         if self._user is not None:  # before the uid goes back (this supervisor's exit): nothing of it stays
-            self.record.notes += leftovers.sweep(self._user.uid, leftovers.world_writable())
+            searched = self._searched if self._searched is not None else leftovers.world_writable()
+            self.record.notes += leftovers.sweep(self._user.uid, searched)
         if isinstance(self.process, ForkedProcess):
             self.process.close()  # its pidfd is this work's
         else:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -192,6 +194,34 @@ def test_a_process_left_running_as_the_uid_is_killed_before_the_uid_is_reused():
         assert daemon.wait(timeout=30) == -9
     finally:
         daemon.kill()
+        os.close(held.lock)
+
+
+# Holds the pipe's write end (given as its argument) through every hop: the pipe reads as ended once none runs.
+HOPPING = "import os\nwhile True:\n    if os.fork():\n        os._exit(0)\n"
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/usr/bin/python3"),
+                    reason="a process of another uid needs root, and an interpreter it may run")
+def test_a_process_of_the_uid_that_forks_and_exits_without_end_is_killed_too():
+    """A process that forks and exits in a loop has a new pid each moment: a scan of /proc, then a kill by pid,
+    always misses it. The kill as the uid itself reaches it wherever it is."""
+    held = job_users.claim(uids=range(61966, 61967))
+    assert held is not None
+    read, write = os.pipe()
+    # The host's own interpreter (a job's uid may not read the test's virtualenv), isolated: it reads nothing else.
+    started = subprocess.Popen(["/usr/bin/python3", "-I", "-S", "-c", HOPPING], user=held.uid, group=held.uid,
+                               extra_groups=[], start_new_session=True, pass_fds=(write,))
+    os.close(write)
+    try:
+        started.wait(timeout=30)  # its first hop: what runs now is a grandchild, and the next, and the next
+        assert select.select([read], [], [], 0)[0] == [], "the hopping process runs, holding the pipe"
+        kill_processes(held.uid)
+        assert select.select([read], [], [], 10)[0] == [read] and os.read(read, 1) == b"", \
+            "a process of the uid still holds the pipe"
+    finally:
+        subprocess.run(["pkill", "-KILL", "-U", str(held.uid)], check=False)  # whatever the code under test left
+        os.close(read)
         os.close(held.lock)
 
 
