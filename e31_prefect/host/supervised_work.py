@@ -426,11 +426,10 @@ def _descendants(root: int) -> set[int]:
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if stat[0] not in ("Z", "X") or _threads_live(entry):
+        stat = leftovers.read_small(f"/proc/{entry}/stat").rpartition(b")")[2].split(None, 2)
+        if len(stat) < 2:
+            continue  # gone
+        if stat[0] not in (b"Z", b"X") or _threads_live(entry):
             children.setdefault(int(stat[1]), []).append(int(entry))
     found: set[int] = set()
     stack = [root]
