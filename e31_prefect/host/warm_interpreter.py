@@ -357,6 +357,7 @@ def main() -> None:
     from e31_prefect import job_entry
 
     job_entry.prepare_engine()
+    job_entry.remember_logging()
     serve(listening, parent)
 
 
