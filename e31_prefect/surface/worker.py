@@ -36,7 +36,7 @@ from prefect.workers.base import BaseWorkerResult
 from prefect_docker.worker import DockerWorker
 
 from e31_prefect.data.blocks import E31Storage
-from e31_prefect.host import home_files
+from e31_prefect.host import bytecode, home_files
 from e31_prefect.host.inventory import Inventory, discover
 from e31_prefect.host.ledger import Holding, Ledger, RunFolder, this_process
 from e31_prefect.host.settings import E31Settings
@@ -170,6 +170,7 @@ class E31Worker(HostWatching, BacklogReading, DockerWorker):
         for line in home_files.close_home(self.settings.home):
             self._logger.warning("E31_HOME: %s", line)
         self.inventory.prepare()  # says what it closed itself
+        await asyncio.to_thread(bytecode.compile_own_modules)  # each run's supervisor loads them, never compiles
         await super().setup()
         try:
             await E31Storage.aregister_type_and_schema(client=self.client)
