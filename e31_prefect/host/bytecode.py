@@ -12,12 +12,12 @@ import compileall
 import contextlib
 from pathlib import Path
 
-import e31_prefect
+PACKAGE = Path(__file__).resolve().parents[1]  # e31_prefect, this module's package's package
 
 
-def compile_own_modules() -> bool:
+def compile_own_modules(package: Path = PACKAGE) -> bool:
     """Write current bytecode for every module of the e31_prefect package (an up-to-date one is only read).
     True where every module has it."""
     with contextlib.suppress(OSError):
-        return bool(compileall.compile_dir(Path(e31_prefect.__file__).parent, quiet=2))
+        return bool(compileall.compile_dir(package, quiet=2))
     return False
