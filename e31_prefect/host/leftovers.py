@@ -240,8 +240,10 @@ def kill_processes(uid: int, proc: Path = Path("/proc"), rounds: int = 100) -> l
     for _ in range(rounds):
         left = []
         for entry in os.listdir(proc):
-            if entry.isdigit() and lives_as(read_small(os.path.join(proc, entry, "status")).decode(errors="replace"),
-                                            uid):
+            if not entry.isdigit():
+                continue
+            status = read_small(os.path.join(proc, entry, "status")).decode(errors="replace")
+            if lives_as(status, uid):
                 left.append(int(entry))
         if not left:
             return []

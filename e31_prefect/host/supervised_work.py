@@ -98,8 +98,8 @@ class ProcessWork:
 
     def start(self) -> str | None:
         # The host's world-writable folders (milliseconds): the job gets private ones in their place.
-        temps = leftovers.world_writable() if self.spec.job_view else []
-        self._searched = temps if self.spec.job_view else None
+        self._searched = leftovers.world_writable() if self.spec.job_view else None
+        temps = self._searched or []
         files, private, uid = self.group.join_files, self.spec.private_network, self._job_uid(temps)
         view = sandbox.plan_view(map(Path, self.spec.job_view), temps=temps, hides=map(Path, self.spec.job_hidden),
                                  temp_bytes=self.spec.job_temp_bytes) if self.spec.job_view else None
