@@ -29,7 +29,8 @@ otherwise hold the run's devices. The supervisor stops the meter when the last
 process is gone, whatever the job says on the pipe.
 
 A sharded command's shards start at the hand-over, before the engine loads the
-flow, where the worker said what they run (:func:`start_shards`).
+flow, where the worker said what they run (:func:`start_shards`). A flow run's first
+heartbeat comes one interval after its start, not at it (:func:`first_heartbeat_after_an_interval`).
 
 Only the standard library and Prefect (e31's shard runner where it is
 installed): this file must run in images that do not have e31-prefect installed.
@@ -383,6 +384,34 @@ def _say_before_reporting() -> None:
         async_engine.set_state = set_state_async
 
 
+def first_heartbeat_after_an_interval() -> None:
+    """Make Prefect's flow engines send a flow run's first heartbeat one interval after its start, not at it.
+
+    The engine beats at the flow's start and then every ``PREFECT_FLOWS_HEARTBEAT_FREQUENCY`` seconds. The first
+    beat is a run's only event from its own process where its flow has no task: it starts Prefect's events client
+    (a websocket) and reads four objects to relate the event (the flow, deployment, work queue and work pool),
+    about a tenth of a host CPU-second a run. It says nothing the run's Running state has not said, and its
+    supervisor watches the process itself. Prefect's check for unresponsive runs (an automation expecting a
+    heartbeat within some time *after* a heartbeat) starts at the first beat, so it works as before: a run shorter
+    than an interval sends no beat, a longer one beats at the same interval as ever."""
+    try:
+        from prefect import flow_engine
+    except ImportError:
+        return
+    engine = getattr(flow_engine, "BaseFlowRunEngine", None)
+    beat = getattr(engine, "_emit_flow_run_heartbeat", None)
+    if beat is None:  # a Prefect without flow run heartbeats (a container's image may hold an older one)
+        return
+
+    def beat_from_the_second(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not self.__dict__.get("_e31_first_beat_skipped"):
+            self.__dict__["_e31_first_beat_skipped"] = True
+            return None
+        return beat(self, *args, **kwargs)
+
+    engine._emit_flow_run_heartbeat = beat_from_the_second
+
+
 def start_shards() -> None:
     """Start a sharded command's shards now, where the worker said what they run: loading Prefect and
     its engine takes seconds, every rented GPU idle meanwhile. The command flow then follows them."""
@@ -509,6 +538,7 @@ def main(loaded: bool = False) -> None:
     if loaded:
         read_settings_again()
     _say_before_reporting()
+    first_heartbeat_after_an_interval()
     wait_for_api(os.environ.get("PREFECT_API_URL"))
     with contextlib.ExitStack() as stack:
         prepare_api(stack)

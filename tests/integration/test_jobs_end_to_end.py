@@ -18,7 +18,7 @@ from uuid import UUID, uuid4
 import pytest
 from prefect import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
-from prefect.events.filters import EventFilter, EventNameFilter, EventResourceFilter
+from prefect.events.filters import EventFilter, EventNameFilter, EventRelatedFilter, EventResourceFilter
 
 from tests.integration.conftest import cli, flow_run_id, host_processes_with
 
@@ -42,16 +42,20 @@ def e31_events(run_id: UUID, expect: set[str], timeout: float = 30) -> list[str]
     names: list[str] = []
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        with get_client(sync_client=True) as client:
-            page = client.read_events(filter=EventFilter(
-                event=EventNameFilter(prefix=["e31.job."]),
-                resource=EventResourceFilter(id=[f"prefect.flow-run.{run_id}"]),
-            ), limit=50)
-        names = [e.event for e in sorted(page.events, key=lambda e: e.occurred)]
+        names = job_events(run_id, "e31.job.")
         if expect <= set(names):
             return names
         time.sleep(1)
     raise AssertionError(f"events {sorted(expect - set(names))} never arrived; got {names}")
+
+
+def job_events(run_id: UUID, prefix: str, related: bool = False) -> list[str]:
+    """The names of the events about a flow run, in order (``related``: that name it among their related resources)."""
+    about = f"prefect.flow-run.{run_id}"
+    where = {"related": EventRelatedFilter(id=[about])} if related else {"resource": EventResourceFilter(id=[about])}
+    with get_client(sync_client=True) as client:
+        page = client.read_events(filter=EventFilter(event=EventNameFilter(prefix=[prefix]), **where), limit=50)
+    return [e.event for e in sorted(page.events, key=lambda e: e.occurred)]
 
 
 def write_job(folder: Path, text: str, flow: str | None = None, name: str = "job.yaml") -> Path:
@@ -127,6 +131,13 @@ def test_example_job_runs_end_to_end_with_meter_tags_artifacts_and_events(prefec
                                 "e31.job.output", "e31.job.released"})
     assert names == ["e31.job.staged", "e31.job.rented", "e31.job.running", "e31.job.output",
                      "e31.job.released"]
+    # Its flow took less than a heartbeat interval (180 s): its process sent no heartbeat (job_entry), though the
+    # events of its tasks, sent after the flow started, arrived.
+    deadline = time.monotonic() + 30
+    while not job_events(run_id, "prefect.task-run.", related=True):
+        assert time.monotonic() < deadline, "the events of the flow's tasks never arrived"
+        time.sleep(1)
+    assert job_events(run_id, "prefect.flow-run.heartbeat") == []
 
 
 def test_job_sees_only_its_devices_its_dirs_and_no_credentials(prefect_server, tmp_path, pool):
