@@ -19,10 +19,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Protocol
 
-from e31_prefect.host import cgroups, job_init, job_users, leftovers, sandbox, warm_interpreter
+from e31_prefect.host import cgroups, job_init, job_users, leftovers, sandbox, warm_requests
 from e31_prefect.host.device_fence import DeviceFence
 from e31_prefect.host.ledger import Record, RunFolder, Spec, now
-from e31_prefect.host.warm_interpreter import ForkedProcess, NotServed
+from e31_prefect.host.warm_requests import ForkedProcess, NotServed
 
 GRACE_POLL_SECONDS = 0.05  # how often, in a stop, the supervisor looks for a job's processes still ending
 KILL_WAIT_SECONDS = 10.0  # a killed process is gone in milliseconds; one in uninterruptible sleep may take longer
@@ -177,10 +177,10 @@ class ProcessWork:
         pid_namespace = os.open(sandbox.PROC / str(init) / "ns" / "pid", os.O_RDONLY | os.O_CLOEXEC)
         try:
             with open(self.log, "ab") as out:
-                request = warm_interpreter.Request(
+                request = warm_requests.Request(
                     env=self.spec.env, cwd=self.spec.cwd, uid=uid, cgroup_files=[str(f) for f in files],
                     namespaces=[sandbox.CLONE_NEWPID, *(flag for _, flag in namespaces)])
-                forked = warm_interpreter.fork_entry(path, request, out.fileno(),
+                forked = warm_requests.fork_entry(path, request, out.fileno(),
                                                      [pid_namespace, *(handle for handle, _ in namespaces)])
         finally:
             os.close(pid_namespace)

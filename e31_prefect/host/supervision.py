@@ -1,6 +1,8 @@
 """The worker's side of a run's supervisor: start it, hand it the run's devices, stop it, wait for it.
 
-The supervisor (:mod:`e31_prefect.host.supervisor`) runs in a session of its own.
+The supervisor (:mod:`e31_prefect.host.supervisor`) runs in a session of its own: forked by the host's warm
+interpreter for a process run where one serves (:func:`e31_prefect.host.warm_requests.fork_supervisor`),
+else started as a new interpreter.
 The worker speaks to it on a control socket (the supervisor's stdin): the
 container it started, then the hand-over of the rented devices with their lock
 files. From the hand-over on it outlives the worker; a worker that adopts a
@@ -13,12 +15,14 @@ import asyncio
 import contextlib
 import json
 import os
+import select
 import signal
 import socket
 import sys
 from collections.abc import Sequence
 from datetime import datetime
-from typing import Any
+from pathlib import Path
+from typing import Any, BinaryIO
 
 from e31_prefect.host.ledger import Record, RunFolder, Spec, same_process
 
@@ -55,6 +59,72 @@ def make_api_socket(folder: RunFolder) -> socket.socket:
     return listening
 
 
+async def exited(pidfd: int) -> None:
+    """Until the process of ``pidfd`` exited (a pidfd reads as ready then, whoever its parent is)."""
+    ready = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    loop.add_reader(pidfd, ready.set)
+    try:
+        await ready.wait()
+    finally:
+        loop.remove_reader(pidfd)
+
+
+class ForkedSupervisor:
+    """A supervisor the host's warm interpreter forked: no child of this worker, so held by a pidfd (its pid
+    may be reused once it exited), as an :class:`asyncio.subprocess.Process` is held by its pid."""
+
+    def __init__(self, pid: int, pidfd: int):
+        self.pid = pid
+        self._pidfd: int | None = pidfd
+        self._waiting = 0
+
+    @property
+    def returncode(self) -> int | None:
+        """None while it runs, 0 once it exited: its record, not its exit code, says how its run ended."""
+        if self._pidfd is not None and not self._waiting and select.select([self._pidfd], [], [], 0)[0]:
+            self._let_go()
+        return None if self._pidfd is not None else 0
+
+    def send_signal(self, signum: int) -> None:
+        """Signal it by its pidfd (nothing once it exited)."""
+        if self._pidfd is not None:
+            with contextlib.suppress(OSError):
+                signal.pidfd_send_signal(self._pidfd, signum)
+
+    async def wait(self) -> int:
+        """Until it exited."""
+        if self._pidfd is not None:
+            self._waiting += 1
+            try:
+                await exited(self._pidfd)
+            finally:
+                self._waiting -= 1
+            if not self._waiting:
+                self._let_go()
+        return 0
+
+    def _let_go(self) -> None:
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
+
+
+async def fork_supervisor(folder: RunFolder, spec: Spec, control: socket.socket, log: BinaryIO
+                          ) -> ForkedSupervisor | None:
+    """A process run's supervisor forked by the host's warm interpreter, where one serves (None: start one)."""
+    if spec.runtime != "process" or not spec.warm_interpreter:
+        return None
+    from e31_prefect.host import warm_requests
+
+    try:
+        pid, pidfd = await asyncio.to_thread(warm_requests.fork_supervisor, Path(spec.warm_interpreter),
+                                             str(folder.path), control.fileno(), log.fileno(), spec.api_socket_fd)
+    except warm_requests.NotServed:
+        return None
+    return ForkedSupervisor(pid, pidfd)
+
+
 class SupervisorGone(RuntimeError):
     """The supervisor ended without saying whether the work started."""
 
@@ -62,7 +132,7 @@ class SupervisorGone(RuntimeError):
 class Supervisor:
     """One run's supervisor, started here or adopted from the ledger."""
 
-    def __init__(self, folder: RunFolder, process: asyncio.subprocess.Process | None = None,
+    def __init__(self, folder: RunFolder, process: asyncio.subprocess.Process | ForkedSupervisor | None = None,
                  control: socket.socket | None = None):
         self.folder = folder
         self.process = process
@@ -72,7 +142,8 @@ class Supervisor:
     @classmethod
     async def start(cls, folder: RunFolder, spec: Spec) -> Supervisor:
         """Write the spec and start the supervisor with its control socket and the listening socket of the
-        run's API gateway (made here, so it exists before a container that mounts it is created)."""
+        run's API gateway (made here, so it exists before a container that mounts it is created): forked by the
+        host's warm interpreter where one serves a process run, else as a new interpreter."""
         make_work_ended_pipe(folder)
         make_hand_over_pipe(folder)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -85,7 +156,7 @@ class Supervisor:
                 passed = (listening.fileno(),)
             folder.write_spec(spec)
             with open(folder.supervisor_log, "ab") as log:
-                process = await asyncio.create_subprocess_exec(
+                process = await fork_supervisor(folder, spec, theirs, log) or await asyncio.create_subprocess_exec(
                     sys.executable, "-m", "e31_prefect.supervisor", str(folder.path),
                     stdin=theirs, stdout=asyncio.subprocess.DEVNULL, stderr=log,
                     start_new_session=True,  # a signal to the worker's group (Ctrl-C, a service stop) is not its
@@ -202,11 +273,7 @@ class Supervisor:
             fd = os.pidfd_open(record.supervisor_pid)
         except OSError:
             return
-        exited = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        loop.add_reader(fd, exited.set)
         try:
-            await exited.wait()
+            await exited(fd)
         finally:
-            loop.remove_reader(fd)
             os.close(fd)

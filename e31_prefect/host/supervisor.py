@@ -57,7 +57,7 @@ from e31_prefect.host.gateway import Gateway, auth_header
 from e31_prefect.host.heartbeat import ApiVariables, Beating, fenced_at
 from e31_prefect.host.ledger import Record, RunFolder, Spec, append_line, moment, now, this_process
 from e31_prefect.host.supervised_work import ContainerWork, Exit, ProcessWork, Work
-from e31_prefect.host.warm_interpreter import retitle
+from e31_prefect.host.warm_requests import retitle
 from e31_prefect.job_entry import OUTCOMES, READY, UNREPORTED
 
 PR_SET_CHILD_SUBREAPER = 36

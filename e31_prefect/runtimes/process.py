@@ -36,7 +36,7 @@ from e31_prefect.runtimes import (
 if TYPE_CHECKING:
     from e31_prefect.host.settings import E31Settings
     from e31_prefect.host.supervision import Supervisor
-    from e31_prefect.host.warm_interpreter import WarmInterpreter
+    from e31_prefect.host.warm_requests import WarmInterpreter
 
 # All a job's process takes from its worker's environment: where programs and Python's modules are (e31's and
 # Prefect's), and the locale. Nothing else (credentials, the worker's settings) reaches it.
@@ -104,7 +104,7 @@ def isolated(settings: E31Settings) -> bool:
 
 def warm_interpreter(home: Path) -> WarmInterpreter:
     """A worker's warm interpreter, its files in ``home``, started with e31's own environment alone."""
-    from e31_prefect.host.warm_interpreter import WarmInterpreter
+    from e31_prefect.host.warm_requests import WarmInterpreter
 
     return WarmInterpreter(home / "warm", {k: os.environ[k] for k in HOST_VARIABLES if k in os.environ})
 

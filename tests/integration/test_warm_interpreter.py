@@ -162,16 +162,20 @@ def test_a_job_forked_after_another_holds_nothing_of_it_nor_of_the_worker_and_ca
                                    "ConnectionResetError", "BrokenPipeError"), seen["interpreter"]
 
 
+def parent_of(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
 def interpreters_of(host) -> list[int]:
     """The host's warm interpreter processes (not their launchers: children of the interpreter)."""
     found = [pid for pid in host.processes() if b"e31_prefect.host.warm_interpreter" in cmdline(pid)]
-    return [pid for pid in found if int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            not in found]
+    return [pid for pid in found if parent_of(pid) not in found]
 
 
 def test_a_killed_warm_interpreter_loses_no_run_it_forked_and_is_started_again(prefect_server, tmp_path, pool,
                                                                                hosts):
-    host = hosts("killed").start()
+    worker_secret = uuid.uuid4().hex
+    host = hosts("killed", E31_TEST_WORKER_SECRET=f"e31-worker-{worker_secret}").start()
     go = tmp_path / "running" / "go"  # in its job's folder: the rest of /tmp is not in a job's view
     try:
         running = submit(tmp_path / "running", pool, f"""
@@ -182,6 +186,11 @@ def test_a_killed_warm_interpreter_loses_no_run_it_forked_and_is_started_again(p
             """)
         until(lambda: read_run(running).state.is_running(), 240, "the first job running")
         killed = until(lambda: interpreters_of(host), 30, "the warm interpreter running")
+        # The run's supervisor was forked by it too, with none of the worker's environment; it outlives it.
+        supervisors = host.supervisors()
+        assert supervisors and {parent_of(pid) for pid in supervisors} <= set(killed), supervisors
+        assert all(worker_secret not in Path(f"/proc/{pid}/environ").read_text(errors="replace")
+                   for pid in supervisors)
         for pid in killed:
             os.kill(pid, signal.SIGKILL)
         go.write_text("")

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from e31_prefect.host import warm_interpreter
-from e31_prefect.host.warm_interpreter import Lines
+from e31_prefect.host import warm_requests
+from e31_prefect.host.warm_requests import Lines
 
 
 def test_messages_split_across_reads_or_sent_together_come_one_at_a_time_with_their_descriptors():
@@ -46,7 +46,7 @@ def test_a_message_that_is_no_object_is_refused(sent):
 
 
 def test_a_message_past_the_bound_is_refused_before_it_is_all_read(monkeypatch):
-    monkeypatch.setattr(warm_interpreter, "REQUEST_BYTES", 50_000)
+    monkeypatch.setattr(warm_requests, "REQUEST_BYTES", 50_000)
     ours, theirs = socket.socketpair()
     with ours, theirs:
         theirs.setblocking(False)
@@ -63,7 +63,7 @@ def shown_after_retitle(words: list[str], folder: Path) -> tuple[bytes, bytes]:
     if child == 0:  # pragma: no cover - the child ends in os._exit
         code = 1
         try:
-            warm_interpreter.retitle(words)
+            warm_requests.retitle(words)
             (folder / "done").write_text("")
             time.sleep(30)
             code = 0
@@ -96,13 +96,13 @@ def test_a_title_longer_than_the_arguments_is_cut_to_them(tmp_path: Path):
 def test_a_request_goes_whole_with_its_descriptors_however_large_its_environment():
     ours, theirs = socket.socketpair()
     read, write = os.pipe()
-    request = warm_interpreter.Request(env={"BIG": "v" * 200_000, "PATH": "/usr/bin"}, cwd="/w", uid=61000,
+    request = warm_requests.Request(env={"BIG": "v" * 200_000, "PATH": "/usr/bin"}, cwd="/w", uid=61000,
                                        cgroup_files=["/sys/fs/cgroup/e31/run-1/cgroup.procs"], namespaces=[1, 2])
     try:
-        sender = threading.Thread(target=warm_interpreter.send_request, args=(theirs, request, read, [write]))
+        sender = threading.Thread(target=warm_requests.send_request, args=(theirs, request, read, [write]))
         sender.start()
         lines = Lines(ours)
-        assert warm_interpreter.Request(**lines.next()) == request
+        assert warm_requests.Request(**lines.next()) == request
         sender.join()
         assert len(lines.fds) == 2
     finally:
