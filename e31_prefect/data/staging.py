@@ -24,7 +24,7 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -160,14 +160,21 @@ def stage_inputs(
     before = (content_cache.counters.hits, content_cache.counters.hit_bytes) if content_cache else (0, 0)
     downloads_before = content_cache.counters.downloads if content_cache else 0
     data_dir.mkdir(parents=True, exist_ok=True)
-    items = _plan(inputs, data_dir, options, roots, team)
+    progress = Progress("Staging:", 0, 0, log)
+    items: list[_Item] = []
+    pending: list[_Item] = []
+    # What the host's cache holds is linked as the listing names it, in this thread: a link costs a few system
+    # calls, less than handing it to a thread, and the store lists the next page meanwhile. Only the rest is
+    # downloaded, many at once, once every input was planned (a bad one fails before any download).
+    for item in _plan(inputs, data_dir, options, roots, team):
+        items.append(item)
+        if not _take_cached(item, content_cache, progress):
+            pending.append(item)
     total = sum(item.obj.size for item in items)
-    progress = Progress("Staging:", len(items), total, log)
+    progress.files_total, progress.bytes_total = len(items), total
     if log:
-        log.info("Staging %d file(s), %.1f MB into %s", len(items), total / 1e6, data_dir)
-    # What the host's cache holds is linked here first, in this thread: a link costs a few system
-    # calls, less than handing it to a thread. Only the rest is downloaded, many at once.
-    pending = [item for item in items if not _take_cached(item, content_cache, progress)]
+        log.info("Staging %d file(s), %.1f MB into %s (%d from the host's cache)", len(items), total / 1e6,
+                 data_dir, len(items) - len(pending))
     with ThreadPoolExecutor(max_workers=STAGE_THREADS) as pool:
         results = [pool.submit(_stage_one, item, content_cache, progress) for item in pending]
         failure = None
@@ -194,28 +201,29 @@ def stage_inputs(
 
 
 def _plan(inputs: Iterable[DataInput], data_dir: Path, options: dict[str, Any] | None,
-          roots: Sequence[Path] | None = None, team: str | None = None) -> list[_Item]:
-    """Each object to stage and where it goes; bad input fails here, before anything is copied."""
-    items = []
+          roots: Sequence[Path] | None = None, team: str | None = None) -> Iterator[_Item]:
+    """Each object to stage and where it goes, as the listings name them; bad input fails here, before
+    anything is downloaded."""
     for item in inputs:
         fs, root = store.filesystem(item.source, options)
         if store.is_local(fs):
-            items += _plan_local(item, fs, root, data_dir, roots, team)
+            yield from _plan_local(item, fs, root, data_dir, roots, team)
             continue
         prefix = item.source.endswith("/")
+        base = root.rstrip("/")
         try:
-            listed, single = store.listing(fs, root.rstrip("/") if prefix else root, prefix)
+            listed, single = store.listing(fs, base if prefix else root, prefix)
+            for obj in listed:
+                if item.size is not None and single and obj.size != item.size:
+                    raise StagingError(f"data {item.source}: is {obj.size} bytes, the job expects {item.size}; "
+                                       "check the URL or the job's size")
+                relative = "" if single else PurePosixPath(obj.path).relative_to(base).as_posix()
+                local = data_dir / item.target / relative if relative else data_dir / item.target
+                yield _Item(fs, obj, local, f"data {item.source}", item.sha256 if single else None)
+        except StagingError:
+            raise
         except Exception as exc:
             raise StagingError("data " + store.explain(item.source, exc, fs)) from None
-        if item.size is not None and single and listed[0].size != item.size:
-            raise StagingError(f"data {item.source}: is {listed[0].size} bytes, the job expects {item.size}; "
-                               "check the URL or the job's size")
-        base = root.rstrip("/")
-        for obj in listed:
-            relative = "" if single else PurePosixPath(obj.path).relative_to(base).as_posix()
-            local = data_dir / item.target / relative if relative else data_dir / item.target
-            items.append(_Item(fs, obj, local, f"data {item.source}", item.sha256 if single else None))
-    return items
 
 
 def _plan_local(item: DataInput, fs: Any, root: str, data_dir: Path, roots: Sequence[Path] | None,

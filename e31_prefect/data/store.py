@@ -21,6 +21,7 @@ import errno
 import hashlib
 import mimetypes
 import os
+import queue
 import shutil
 import stat
 from collections.abc import Callable, Iterator
@@ -71,21 +72,58 @@ def is_s3(fs: fsspec.AbstractFileSystem) -> bool:
     return "s3" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
 
 
-def listing(fs: fsspec.AbstractFileSystem, root: str, prefix: bool) -> tuple[list[Listed], bool]:
+def listing(fs: fsspec.AbstractFileSystem, root: str, prefix: bool) -> tuple[Iterator[Listed], bool]:
     """Every object under ``root`` (a prefix or folder), or ``root`` itself; and whether it was one object.
 
-    The ETag and size come from the listing itself, so no object is asked about one by one.
+    The ETag and size come from the listing itself, so no object is asked about one by one. An S3 prefix's
+    objects come in the store's order as each page of its listing arrives (:func:`listed_as_they_come`); a
+    missing one raises FileNotFoundError as it is read.
     """
     if not prefix:
         info = fs.info(root)
         if info.get("type") != "directory":
-            return [Listed(root, int(info.get("size") or 0), plain_etag(info.get("ETag")))], True
+            return iter([Listed(root, int(info.get("size") or 0), plain_etag(info.get("ETag")))]), True
+    if is_s3(fs):
+        return listed_as_they_come(fs, root), False
     found = fs.find(root, detail=True)
     if not found and not fs.exists(root):
         raise FileNotFoundError(root)
     objects = [Listed(path, int(info.get("size") or 0), plain_etag(info.get("ETag")))
                for path, info in found.items() if info.get("type") != "directory"]
-    return sorted(objects, key=lambda o: o.path), False
+    return iter(sorted(objects, key=lambda o: o.path)), False
+
+
+def listed_as_they_come(fs: Any, root: str) -> Iterator[Listed]:
+    """The objects under the S3 prefix ``root``, each as soon as the page naming it arrived: the store lists the
+    next page while the caller works on this one (a cached re-stage links one page's files meanwhile). The keys
+    of folder placeholders (ending in ``/``) are no objects to stage and are left out. FileNotFoundError where
+    nothing is under ``root`` and it is no folder either."""
+    bucket, key, _ = fs.split_path(root)
+    arrived: queue.SimpleQueue[Any] = queue.SimpleQueue()
+    done = object()
+
+    async def list_pages() -> None:
+        try:
+            async for info in fs._iterdir(bucket, delimiter="", prefix=f"{key.rstrip('/')}/" if key else ""):
+                arrived.put(info)
+        except BaseException as exc:  # noqa: BLE001 -- raised in the reader's thread, below
+            arrived.put(exc)
+        finally:
+            arrived.put(done)
+
+    listing_task = asyncio.run_coroutine_threadsafe(list_pages(), fs.loop)
+    found = 0
+    try:
+        while (info := arrived.get()) is not done:
+            if isinstance(info, BaseException):
+                raise info
+            if not info["name"].endswith("/"):
+                found += 1
+                yield Listed(info["name"], int(info.get("size") or 0), plain_etag(info.get("ETag")))
+    finally:
+        listing_task.cancel()  # a reader that stopped early (a failure) asks for no more pages
+    if not found and not fs.exists(root):
+        raise FileNotFoundError(root)
 
 
 def etag_is_md5(response: dict[str, Any]) -> bool:

@@ -53,6 +53,23 @@ def test_a_cached_restage_downloads_nothing_and_says_so(s3_server, tmp_path, cap
     assert cache.counters.downloads == 40 and cache.counters.hits == 40
 
 
+def test_a_prefix_of_several_pages_and_folder_placeholders_is_staged_whole_and_cached_whole(s3_server, tmp_path):
+    """S3 lists at most 1,000 keys a page; the cache links a page's files as the next is listed. A folder's
+    placeholder key (``sub/``, as consoles make) is no file: its folder's files are staged under it."""
+    objects = {f"big/{n // 100:02d}/{n:04d}.bin": n.to_bytes(2, "big") for n in range(1050)}
+    fs = filled_bucket(s3_server, "pages", objects)
+    fs.pipe({"pages/big/sub/": b"", "pages/big/sub/inside.txt": b"inside"})
+    objects["big/sub/inside.txt"] = b"inside"
+    cache = ContentCache(tmp_path / "cache", 1 << 30)
+    source = [DataInput(source="s3://pages/big/", to="d")]
+    for run, cached in (("run1", 0), ("run2", len(objects))):
+        staged = stage_inputs(source, tmp_path / run, options(s3_server), cache=cache)
+        assert (staged.files, staged.cached_files) == (len(objects), cached)
+        found = {p.relative_to(tmp_path / run / "d").as_posix(): p.read_bytes()
+                 for p in (tmp_path / run).rglob("*") if p.is_file()}
+        assert found == {k.removeprefix("big/"): v for k, v in objects.items()}
+
+
 def test_a_changed_object_is_downloaded_again(s3_server, tmp_path):
     fs = filled_bucket(s3_server, "changing", {"model.bin": b"version one"})
     cache = ContentCache(tmp_path / "cache", 1 << 30)
