@@ -77,14 +77,18 @@ class ForkedSupervisor:
     def __init__(self, pid: int, pidfd: int):
         self.pid = pid
         self._pidfd: int | None = pidfd
-        self._waiting = 0
+        self._exit: asyncio.Future[None] | None = None  # one watch of the pidfd, however many wait
 
     @property
     def returncode(self) -> int | None:
         """None while it runs, 0 once it exited: its record, not its exit code, says how its run ended."""
-        if self._pidfd is not None and not self._waiting and select.select([self._pidfd], [], [], 0)[0]:
+        if self._pidfd is None:
+            return 0
+        if not select.select([self._pidfd], [], [], 0)[0]:
+            return None
+        if self._exit is None or self._exit.done():
             self._let_go()
-        return None if self._pidfd is not None else 0
+        return 0
 
     def send_signal(self, signum: int) -> None:
         """Signal it by its pidfd (nothing once it exited)."""
@@ -95,13 +99,10 @@ class ForkedSupervisor:
     async def wait(self) -> int:
         """Until it exited."""
         if self._pidfd is not None:
-            self._waiting += 1
-            try:
-                await exited(self._pidfd)
-            finally:
-                self._waiting -= 1
-            if not self._waiting:
-                self._let_go()
+            if self._exit is None:
+                self._exit = asyncio.ensure_future(exited(self._pidfd))
+            await asyncio.shield(self._exit)
+            self._let_go()
         return 0
 
     def _let_go(self) -> None:
