@@ -11,11 +11,13 @@ from e31_prefect.host.supervision import ForkedSupervisor
 
 
 def forked(seconds: float) -> int:
+    """A child that exits 0 at a SIGTERM or after ``seconds`` (SIGTERM blocked from its first instruction)."""
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM])
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child ends in os._exit
-        signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM])
-        signal.sigtimedwait([signal.SIGTERM], seconds)  # until SIGTERM comes, or the time is out
+        signal.sigtimedwait([signal.SIGTERM], seconds)
         os._exit(0)
+    signal.pthread_sigmask(signal.SIG_SETMASK, before)
     return pid
 
 
