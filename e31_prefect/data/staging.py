@@ -218,6 +218,10 @@ def _plan(inputs: Iterable[DataInput], data_dir: Path, options: dict[str, Any] |
                     raise StagingError(f"data {item.source}: is {obj.size} bytes, the job expects {item.size}; "
                                        "check the URL or the job's size")
                 relative = "" if single else PurePosixPath(obj.path).relative_to(base).as_posix()
+                if ".." in PurePosixPath(relative).parts:  # S3 keys may hold '..': it would climb out of data/
+                    raise StagingError(f"data {item.source}: the store holds the key {obj.path.split('/', 1)[-1]!r}, "
+                                       f"whose '..' would put it outside {item.target}; e31 stages no such key. "
+                                       "Rename or remove it in the store")
                 local = data_dir / item.target / relative if relative else data_dir / item.target
                 yield _Item(fs, obj, local, f"data {item.source}", item.sha256 if single else None)
         except StagingError:

@@ -70,6 +70,22 @@ def test_a_prefix_of_several_pages_and_folder_placeholders_is_staged_whole_and_c
         assert found == {k.removeprefix("big/"): v for k, v in objects.items()}
 
 
+def test_a_key_whose_dots_climb_out_of_the_prefix_fails_naming_it_and_nothing_lands_outside(s3_server, tmp_path):
+    """An S3 key may hold '..' segments: staged as a path, ``set/../../../x`` would be written (by the worker, as
+    root) outside the run's data dir."""
+    s3 = boto3.client("s3", endpoint_url=s3_server["AWS_ENDPOINT_URL"], region_name="us-east-1",
+                      aws_access_key_id="k", aws_secret_access_key="s")
+    s3.create_bucket(Bucket="climbing")
+    s3.put_object(Bucket="climbing", Key="set/ok.txt", Body=b"ok")
+    s3.put_object(Bucket="climbing", Key="set/../../../escaped.txt", Body=b"out")
+    run = tmp_path / "a" / "b" / "run"
+    with pytest.raises(StagingError) as failed:
+        stage_inputs([DataInput(source="s3://climbing/set/", to="d")], run / "data", options(s3_server),
+                     cache=ContentCache(tmp_path / "cache", 1 << 30))
+    assert "'set/../../../escaped.txt'" in str(failed.value) and "outside d" in str(failed.value)
+    assert [p.name for p in tmp_path.rglob("escaped.txt")] == []
+
+
 def test_a_changed_object_is_downloaded_again(s3_server, tmp_path):
     fs = filled_bucket(s3_server, "changing", {"model.bin": b"version one"})
     cache = ContentCache(tmp_path / "cache", 1 << 30)
