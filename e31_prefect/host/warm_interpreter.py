@@ -114,14 +114,14 @@ def supervise(folder: str, api_socket: int | None, fds: list[int], conn: socket.
     spec names, nothing else of this interpreter's open), once the worker holds its pid and a pidfd of it."""
     from e31_prefect.host.lock_holders import SUPERVISOR_MODULE
 
+    if len(fds) != 2 + (api_socket is not None):  # the worker hears no pid: nothing was started
+        return 2
     retitle([sys.executable, "-m", SUPERVISOR_MODULE, folder])  # a device lock's holder is named by it
     os.setsid()
     pidfd = os.pidfd_open(os.getpid())
     socket.send_fds(conn, [json.dumps({"pid": os.getpid()}).encode() + b"\n"], [pidfd])
     os.close(pidfd)
     conn.close()
-    if len(fds) != 2 + (api_socket is not None):
-        return 2
     devnull = os.open(os.devnull, os.O_RDWR)
     for fd, number in zip((fds[0], devnull, fds[1]), (0, 1, 2), strict=True):
         os.dup2(fd, number)
