@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -121,20 +122,34 @@ def fork_supervisor(path: Path, folder: str, control: int, log: int, api_socket:
     (its stdin), its log (its stderr) and the listening socket of its gateway (kept at the same number, which the
     run's spec names). Returns its pid and a pidfd of it; raises :class:`NotServed` where none answers before
     anything was sent (start one as a new interpreter instead), OSError after."""
+    data = json.dumps({"supervise": folder, "api_socket": api_socket}).encode() + b"\n"
+    files = [control, log, *([api_socket] if api_socket is not None else [])]
+    conn, _, pid, pidfd = _ask(path, lambda conn: socket.send_fds(conn, [data], files))
+    conn.close()
+    return pid, pidfd
+
+
+def _ask(path: Path, send: Callable[[socket.socket], None]) -> tuple[socket.socket, Lines, int, int]:
+    """Send the interpreter at ``path`` a request and read its launcher's answer: the connection, its lines, the
+    pid of the process forked and a pidfd of it. :class:`NotServed` where none answers before anything was sent,
+    OSError after (the connection closed)."""
     try:
         conn = connect(path, ANSWER_SECONDS)
     except OSError as exc:
         raise NotServed(f"no warm interpreter answers at {path}: {exc}") from exc
-    with conn:
-        data = json.dumps({"supervise": folder, "api_socket": api_socket}).encode() + b"\n"
-        socket.send_fds(conn, [data], [control, log, *([api_socket] if api_socket is not None else [])])
+    try:
+        send(conn)
         lines = Lines(conn)
         answer = lines.next()
-        if answer is None or not isinstance(answer.get("pid"), int) or len(lines.fds) != 1:
-            for fd in lines.fds:
+        fds, lines.fds = lines.fds, []
+        if answer is None or not isinstance(answer.get("pid"), int) or len(fds) != 1:
+            for fd in fds:
                 os.close(fd)
             raise OSError(f"the warm interpreter's launcher said {answer!r}")
-        return answer["pid"], lines.fds[0]
+        return conn, lines, answer["pid"], fds[0]
+    except BaseException:
+        conn.close()
+        raise
 
 
 class ForkedProcess:
@@ -180,24 +195,8 @@ class ForkedProcess:
 def fork_entry(path: Path, request: Request, log: int, namespaces: list[int]) -> ForkedProcess:
     """Ask the warm interpreter at ``path`` for a job's process; raises :class:`NotServed` where none
     answers before anything was sent (start a new interpreter instead), OSError after."""
-    try:
-        conn = connect(path, ANSWER_SECONDS)
-    except OSError as exc:
-        raise NotServed(f"no warm interpreter answers at {path}: {exc}") from exc
-    try:
-        send_request(conn, request, log, namespaces)
-        lines = Lines(conn)
-        answer = lines.next()
-        if answer is None or not isinstance(answer.get("pid"), int) or not lines.fds:
-            raise OSError(f"the warm interpreter's launcher said {answer!r}")
-        pidfd, *extra = lines.fds
-        for fd in extra:
-            os.close(fd)
-        lines.fds = []
-        return ForkedProcess(answer["pid"], pidfd, lines)
-    except BaseException:
-        conn.close()
-        raise
+    _, lines, pid, pidfd = _ask(path, lambda conn: send_request(conn, request, log, namespaces))
+    return ForkedProcess(pid, pidfd, lines)
 
 
 class NotServed(OSError):
