@@ -266,12 +266,7 @@ def leave(state: Any, logger: Any = None, unreported: bool = False) -> None:
     elif logger is not None:
         with contextlib.suppress(Exception):
             logger.info(f"Finished in state {state}")  # what Prefect's teardown would have said
-    deadline = time.monotonic() + LEAVE_SECONDS
-    sending = [threading.Thread(target=_send_queued, args=(kind,), daemon=True) for kind in ("logs", "events")]
-    for thread in sending:
-        thread.start()
-    for thread in sending:
-        thread.join(max(0.0, deadline - time.monotonic()))
+    send_queued(LEAVE_SECONDS)
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
@@ -279,17 +274,30 @@ def leave(state: Any, logger: Any = None, unreported: bool = False) -> None:
     os._exit(0 if completed else 1)
 
 
-def _send_queued(kind: str) -> None:
-    """Drain Prefect's log or event worker (what the interpreter's exit would do)."""
+def send_queued(seconds: float) -> bool:
+    """Send what Prefect still has queued in this process (logs, events), as the interpreter's exit would,
+    for at most ``seconds``: True where all of it went. Prefect's client retries a request the API does not
+    answer for about a minute; a process leaving on a bound must not wait for that."""
+    deadline = time.monotonic() + seconds
+    sent: dict[str, bool] = {}
+    sending = [threading.Thread(target=_send_queued, args=(kind, seconds, sent), daemon=True)
+               for kind in ("logs", "events")]
+    for thread in sending:
+        thread.start()
+    for thread in sending:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    return len(sent) == len(sending) and all(sent.values())
+
+
+def _send_queued(kind: str, seconds: float, sent: dict[str, bool]) -> None:
+    """Drain Prefect's log or event worker; ``sent[kind]`` says whether it finished within ``seconds``."""
     with contextlib.suppress(Exception):
         if kind == "logs":
-            from prefect.logging.handlers import APILogWorker
-
-            APILogWorker.drain_all(timeout=LEAVE_SECONDS)
+            from prefect.logging.handlers import APILogWorker as service
         else:
-            from prefect.events.worker import EventsWorker
-
-            EventsWorker.drain_all(timeout=LEAVE_SECONDS)
+            from prefect.events.worker import EventsWorker as service
+        _done, not_done = service.drain_all(timeout=seconds)
+        sent[kind] = not not_done
 
 
 def _report_last_state_bounded() -> None:

@@ -20,6 +20,7 @@ import functools
 import importlib.metadata
 import os
 import signal
+import sys
 from datetime import datetime, timedelta, timezone
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
@@ -35,6 +36,7 @@ from prefect.utilities.engine import propose_state
 from prefect.workers.base import BaseWorkerResult
 from prefect_docker.worker import DockerWorker
 
+from e31_prefect import job_entry
 from e31_prefect.data.blocks import E31Storage
 from e31_prefect.host import bytecode, home_files
 from e31_prefect.host.inventory import Inventory, discover
@@ -66,6 +68,10 @@ except importlib.metadata.PackageNotFoundError:  # a checkout run without instal
 # How long a poll's plan for a run whose work loads (holding nothing) is left to it by the next polls: past it
 # the run delays no other; it rents from what is free once ready, or goes back to the pool (e31_prefect.surface.life).
 LOADING_PLAN_SECONDS = 30.0
+# How long a worker stopped by a signal may take to send the logs and events Prefect still has queued for the API:
+# past it the worker leaves without them, rather than wait out the client's retries (about a minute) on an API
+# that is down. Nothing of a run is lost: its supervisor and the next worker report it.
+LEAVE_SECONDS = 5.0
 
 
 class E31WorkerResult(BaseWorkerResult):
@@ -162,6 +168,27 @@ class E31Worker(HostWatching, BacklogReading, DockerWorker):
         finally:
             for sig in installed:
                 loop.remove_signal_handler(sig)
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        """Prefect's exit (the teardown, which re-raises the cancellation that stopped a pool's worker); then
+        a pool's worker stopped by a signal sends what is queued for the API for at most ``LEAVE_SECONDS``,
+        and where the API did not take it all, the process leaves at once, saying so."""
+        try:
+            await super().__aexit__(*exc_info)
+        finally:
+            if self._serving and self._stopping:
+                await self._leave()
+
+    async def _leave(self) -> None:
+        """Send what is queued for the API, bounded; leave the process at once where it did not all go."""
+        if await asyncio.to_thread(job_entry.send_queued, LEAVE_SECONDS):
+            return
+        print(f"The Prefect API did not take this worker's last logs and events within {LEAVE_SECONDS:g} s: "
+              "left without sending them", file=sys.stderr, flush=True)
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+        # Prefect's services would otherwise wait out their client's retries as the interpreter exits.
+        os._exit(0)
 
     async def setup(self) -> None:
         """Connect, register the E31 Storage block type (so the UI offers it), then adopt the runs any

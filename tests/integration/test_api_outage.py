@@ -1,7 +1,7 @@
-"""The Prefect API goes down at the end of a run: the run is billed its work, not the outage.
+"""The Prefect API goes down: a run is billed its work, not the outage, and a worker still stops on SIGTERM.
 
-This test has a Prefect server of its own (the session's stays up for the others), stops it
-while a job is finishing its work, and starts it again 20 s later on the same database.
+Each test has a Prefect server of its own (the session's stays up for the others): one stops it while a job
+is finishing its work and starts it again 20 s later on the same database; one pauses it while a worker stops.
 """
 
 from __future__ import annotations
@@ -66,9 +66,19 @@ class OwnServer:
         except httpx.HTTPError:
             return False
 
+    def pause(self) -> None:
+        """The server stops answering, as behind a network partition: connections open, nothing comes back."""
+        assert self.process is not None
+        os.killpg(self.process.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.process is not None
+        os.killpg(self.process.pid, signal.SIGCONT)
+
     def stop(self) -> None:
         if self.process is not None:
             os.killpg(self.process.pid, signal.SIGTERM)
+            os.killpg(self.process.pid, signal.SIGCONT)  # where a test paused it
             self.process.wait(timeout=60)
             self.process = None
 
@@ -135,4 +145,47 @@ def test_an_api_outage_at_the_end_of_a_run_is_billed_to_nobody(own_server, tmp_p
     meter = next(json.loads(a["data"]) for a in artifacts if a["key"].startswith("e31-meter"))
     billed = next(row["seconds"] for row in meter if row["step"] == "total billed")
     assert abs(billed - true_bill) <= 1.0, (billed, true_bill)
+    assert (tmp_path / "job" / "out" / "done.txt").read_text() == "done"
+
+
+
+def test_a_worker_stopped_while_its_api_does_not_answer_exits_and_loses_no_run(own_server, tmp_path):
+    """A service manager stops a worker while its Prefect server does not answer (paused, as behind a
+    network partition) and a run is going: the worker exits within the grace a container platform gives
+    (Kubernetes' 30 s), leaving unsent the logs and events the API could not take, and says so (Prefect's
+    client would wait out its requests' timeouts and retries first: minutes). The run stays with its
+    supervisor; once the API answers again, the next worker closes it."""
+    job = write_job(tmp_path / "job", """
+        name: stopped-in-outage
+        work: {flow: flow.py:work, parameters: {seconds: 8}}
+        request: {gpus: 1, max_duration: 10m}
+        output: {to: ./out/}
+        """, flow=FLOW)
+    submitted = run_cli(own_server, "e31", "submit", str(job), "--pool", "stopped")
+    assert submitted.returncode == 0, submitted.stderr
+    run_id = flow_run_id(submitted.stdout)
+    home = tmp_path / "host"
+    env = {"PREFECT_API_URL": own_server.api_url, "PREFECT_HOME": str(own_server.home)}
+    worker = Worker("stopped", home, "1xH100", **env)
+    folder = RunFolder(home / "ledger" / str(run_id))
+    try:
+        until(lambda: (r := folder.record()) is not None and r.started, 120, "the work starting")
+        own_server.pause()
+        seconds = worker.stop(timeout=120)
+    finally:
+        if worker.process.poll() is None:
+            worker.kill()
+    said = worker.output()
+    assert worker.process.returncode == 0, said
+    assert seconds < 30, said
+    assert "left without sending" in said, (seconds, said)
+    own_server.resume()
+    successor = Worker("stopped", home, "1xH100", **env)
+    try:
+        until(lambda: not folder.path.exists(), 180, "the next worker closing the run")
+    finally:
+        successor.stop(timeout=60)
+    with httpx.Client(base_url=own_server.api_url) as api:
+        run = api.get(f"/flow_runs/{run_id}").json()
+    assert run["state"]["type"] == "COMPLETED", run["state"]
     assert (tmp_path / "job" / "out" / "done.txt").read_text() == "done"
