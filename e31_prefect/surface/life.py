@@ -33,7 +33,7 @@ from uuid import UUID
 
 import anyio
 import anyio.abc
-from prefect.client.schemas.objects import FlowRun
+from prefect.client.schemas.objects import FlowRun, State
 from prefect.exceptions import ObjectNotFound
 
 from e31_prefect.data import keyboard
@@ -126,6 +126,9 @@ class JobLife(Adoption, Attempts, Sending, Watching):
         self.superseded = False
         self.supervisor_died = False  # adopted: its supervisor died with its work (its host went down)
         self.device_failure: tuple[int, str, datetime] | None = None  # a GPU of it failed: its work was stopped
+        # The run as read once its work ended: its state is judged, its outputs sent and its meter closed by it,
+        # one read for all three (nothing but this worker changes the run between them).
+        self.after_work_run: FlowRun | None = None
 
     # -- the whole life ---------------------------------------------------------------------------
 
@@ -447,14 +450,15 @@ class JobLife(Adoption, Attempts, Sending, Watching):
 
     # -- release ----------------------------------------------------------------------------------
 
-    async def _set_state(self, ending: Ending | None) -> None:
+    async def _set_state(self, ending: Ending | None) -> State | None:
+        """Give the run the state of ``ending`` (saying why where it is not Completed); the state set, if any."""
         if ending is None or self.superseded:  # an attempt the pool requeued says nothing of the run
-            return
+            return None
         if ending.handed_back:
             self.log.warning(ending.message)
         elif ending.state.value != "COMPLETED":
             self.log.error(ending.message)
-        await self.report.end(ending)
+        return await self.report.end(ending)
 
     async def release(self, ending: Ending | None) -> None:
         """Close the meter (tags, artifacts, event), forget the ledger entry, remove the workspace.
@@ -502,7 +506,8 @@ class JobLife(Adoption, Attempts, Sending, Watching):
     async def _close(self, ending: Ending | None, outputs: str | None) -> bool:
         for pause in (*CLOSE_RETRY_SECONDS, None):
             try:
-                await self.report.close(self.meter, self.job_name, ending.event if ending else None, outputs)
+                await self.report.close(self.meter, self.job_name, ending.event if ending else None, outputs,
+                                        self.after_work_run)
                 return True
             except ObjectNotFound:
                 # A 404 is no outage: the run was deleted, and the ledger would keep its meter for nobody.

@@ -62,15 +62,17 @@ class Sending:
         self.meter = meter_from(self.holding, record, self.worker.settings.stop_grace_seconds)
         self.worker.meters[self.run_id] = self.meter
         self._save()
-        ending = judge(record, await self._flow_state(), died, job, output_tail(self.folder.output_log))
+        self.after_work_run = await self.worker.client.read_flow_run(self.run_id)
+        state = self.after_work_run.state
+        ending = judge(record, state, died, job, output_tail(self.folder.output_log))
         passed = await self._bound_passed()
         stopped_for_it = self._passed is not None or (record is not None and record.ending == "output-bound")
         if passed is not None and (output_bounds.stops_ending(ending) or stopped_for_it):
             ending = passed
         if ending is not None:
             self.report.step(ending.event, self.devices)
-            await self._set_state(ending)
-        sent = await self.send(job)
+            state = await self._set_state(ending) or state
+        sent = await self.send(job, state)
         if sent is not None:
             await self._set_state(sent)
         return sent or ending
@@ -85,8 +87,9 @@ class Sending:
     async def _flow_state(self) -> State | None:
         return (await self.worker.client.read_flow_run(self.run_id)).state
 
-    async def send(self, job: Job) -> Ending | None:
+    async def send(self, job: Job, state: State | None) -> Ending | None:
         """Send the output dir to its destination; keep it in the spool if the store will not take it.
+        ``state`` is the run's as its work left it (or as this worker judged it).
 
         Only the job's own files go (regular files with one name); a link or special file it left is
         not followed, and the log, the ``output`` event, an artifact and the run's final message name it.
@@ -101,7 +104,6 @@ class Sending:
                 upload_outputs, output_dir, destination, self.options, 3, 1.0, self.log, **self._send_bounds()),
                 abandon_on_cancel=True)
         except UploadError as exc:
-            state = await self._flow_state()
             bounded = self._send_bounds()
             kept = await anyio.to_thread.run_sync(functools.partial(
                 spool.keep, output_dir, self.worker.settings.spool, str(self.run_id), destination, job.storage,
@@ -116,7 +118,6 @@ class Sending:
         if sent.skipped:
             await self._record_skipped(job, sent.skipped)
         missing = missing_outputs(output_dir, job.output.expect)
-        state = await self._flow_state()
         not_sent = f" {confine.skipped_summary(sent.skipped)}." if sent.skipped else ""
         if missing and state is not None and state.is_completed():
             return endings.OUTPUT_MISSING.saying("Expected output missing: " + ", ".join(missing)

@@ -98,14 +98,17 @@ class JobReport:
         return state
 
     async def close(
-        self, meter: metering.Meter, job_name: str, outcome: str | None, outputs: str | None
+        self, meter: metering.Meter, job_name: str, outcome: str | None, outputs: str | None,
+        current: FlowRun | None = None,
     ) -> None:
-        """Record the closed meter: tags, a table artifact and a link artifact to the outputs.
+        """Record the closed meter: tags, a table artifact and a link artifact to the outputs. The run's tags
+        and labels are ``current``'s, a read of it since its work ended, else read now.
 
         Each attempt of the run (a lost host's, then its requeue's: its ``e31.attempt`` label) has a meter
         table of its own, ``e31-meter-<job>`` then ``e31-meter-<job>-attempt-<n>``; the tags bill them all.
         """
-        current = await self.client.read_flow_run(self.flow_run.id)
+        if current is None:
+            current = await self.client.read_flow_run(self.flow_run.id)
         labels = getattr(current, "labels", None) or {}
         attempt = attempts.attempt_of(labels)
         tags = [t for t in current.tags if not t.startswith("e31")] + metering.tags(

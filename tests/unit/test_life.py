@@ -51,9 +51,11 @@ class FakeClient:
         self.quota = quota  # free | full | never
         self.leases: dict[UUID, int] = {}
         self.released: list[UUID] = []
+        self.reads: list[Any] = []  # each read of the run, as answered
 
     async def read_flow_run(self, flow_run_id: UUID) -> Any:
-        return SimpleNamespace(id=flow_run_id, state=self.state, tags=[])
+        self.reads.append(SimpleNamespace(id=flow_run_id, state=self.state, tags=[]))
+        return self.reads[-1]
 
     async def set_flow_run_state(self, flow_run_id: UUID, state: Any, force: bool = False) -> Any:
         self.state = state
@@ -86,18 +88,22 @@ class FakeReport:
         self.client = client
         self.steps: list[str] = []
         self.closed: list[tuple[Any, str | None, str | None]] = []
+        self.closed_with: list[Any] = []  # the read of the run each close was given
         self.fail_closing = fail_closing
 
     def step(self, step: str, held: Any = (), **payload: Any) -> None:
         self.steps.append(step)
 
-    async def end(self, ending: endings.Ending) -> None:
+    async def end(self, ending: endings.Ending) -> Any:
         await self.client.set_flow_run_state(UUID(int=0), ending)
+        return ending
 
-    async def close(self, meter: Any, job_name: str, outcome: str | None, outputs: str | None) -> None:
+    async def close(self, meter: Any, job_name: str, outcome: str | None, outputs: str | None,
+                    current: Any = None) -> None:
         if self.fail_closing:
             raise httpx.ConnectError("the Prefect API is down")
         self.closed.append((meter, outcome, outputs))
+        self.closed_with.append(current)
 
 
 class FakeWorker:
@@ -608,7 +614,7 @@ async def sent(life: JobLife, files: dict[str, str], state: Any = None) -> endin
     for name, text in files.items():
         (output / name).write_text(text)
     life.worker.client.state = state or Completed()
-    return await life.send(job)
+    return await life.send(job, life.worker.client.state)
 
 
 async def test_send_puts_the_outputs_at_their_destination(tmp_path):
@@ -705,6 +711,18 @@ async def test_work_given_its_devices_at_create_is_started_after_the_rent_and_bi
     [(meter, _, _)] = life.report.closed
     # The image's own code holds its devices from its start: the bill starts at the rent, before it is ready.
     assert meter.marks["rented"] <= meter.marks["ready"] <= meter.marks["running"]
+
+
+async def test_a_life_reads_its_run_once_after_the_work_for_its_verdict_outputs_and_meter(tmp_path, monkeypatch):
+    # Each read is a call to the Prefect server for every run of the pool: the verdict, the outputs' sending
+    # (the result pointed at them) and the meter's tags go by the one read once the work ended.
+    life = life_for(tmp_path)
+    monkeypatch.setattr("e31_prefect.surface.life.runtime_for", lambda *_: CommandRuntime("pass"))
+    life.worker.client.state = Completed()  # as the flow's engine reports it
+    assert await life.live() is None
+    [read] = life.worker.client.reads
+    assert life.report.closed_with == [read]
+    assert life.report.closed[0][2] is not None, "the outputs were sent"
 
 
 def test_every_ending_has_its_own_name_and_tag():
