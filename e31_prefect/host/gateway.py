@@ -49,6 +49,7 @@ from urllib.parse import unquote, urlsplit
 from e31_prefect.host.gateway_bodies import BUDGET_WAIT_SECONDS, JUDGE_BYTES, BodyRefused, Budget, MiB, read_json
 from e31_prefect.host.gateway_rules import (
     FINAL_STATES,
+    LOCAL_ANSWERS,
     MESSAGE_READS,
     OWN_RUN_READS,
     SUBSCRIBED_READS,
@@ -195,6 +196,9 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             return self._answer(413, "a Prefect call's body has a length")
         size = int(length)
+        if (self.command, route) in LOCAL_ANSWERS:
+            self.close_connection = self.close_connection or size > 0  # its body, if any, is not read
+            return self._send_json(200, LOCAL_ANSWERS[(self.command, route)])
         if found is None:  # refused on its route alone: its body is not read
             why = refusal(self.command, route, None, gateway.owned) if route is not None else "not the Prefect API"
             self.close_connection = self.close_connection or size > 0
@@ -320,7 +324,10 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
 
     def _answer(self, status: int, detail: str) -> None:
-        payload = json.dumps({"detail": detail}).encode()
+        self._send_json(status, {"detail": detail})
+
+    def _send_json(self, status: int, answer: Any) -> None:
+        payload = json.dumps(answer).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         if status == 503:

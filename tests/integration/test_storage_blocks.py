@@ -235,3 +235,40 @@ def test_without_a_block_the_result_reads_back_with_the_callers_default_credenti
     for name, value in s3_server.items():
         monkeypatch.setenv(name, value)  # the caller's own default chain, as the worker's was
     assert state.result() == {"files": [], "bytes": 0}
+
+
+ANSWER_FLOW = """
+from prefect import flow
+
+@flow
+def answer() -> int:
+    return 42
+"""
+
+
+def test_a_servers_default_result_storage_leaves_the_jobs_result_with_its_outputs(prefect_server, tmp_path, pool):
+    """An operator gave the Prefect server a default result storage: a block the job holds no credentials for and
+    may not read. The job's result is kept with its outputs all the same, and read back from there."""
+    from prefect.filesystems import LocalFileSystem
+
+    elsewhere = tmp_path / "server-results"
+    block_id = LocalFileSystem(basepath=str(elsewhere)).save("e31-server-default-results", overwrite=True)
+    with get_client(sync_client=True) as client:
+        client.update_server_default_result_storage(block_id)
+    try:
+        job = write_job(tmp_path / "answer", """
+            name: answer
+            work: {flow: flow.py:answer}
+            request: {gpus: 0, max_duration: 5m}
+            output: {to: ./out/}
+            """, flow=ANSWER_FLOW)
+        result = cli("e31", "run", str(job), "--pool", pool)
+    finally:
+        with get_client(sync_client=True) as client:
+            client.clear_server_default_result_storage()
+    assert result.returncode == 0, result.stdout + result.stderr
+    state = read_run(flow_run_id(result.stdout)).state
+    assert state.is_completed(), state
+    assert Path(state.data.storage_key).parent == tmp_path / "answer" / "out" / RESULTS_FOLDER
+    assert state.result() == 42
+    assert not elsewhere.exists(), "the result went to the server's default storage"

@@ -15,6 +15,7 @@ import pytest
 from e31_prefect.host import gateway
 from e31_prefect.host.gateway_bodies import KEPT_BYTES, WHOLE, BodyRefused, Budget, read_json
 from e31_prefect.host.gateway_rules import (
+    LOCAL_ANSWERS,
     MESSAGE_READS,
     Owned,
     answer_reads,
@@ -99,6 +100,13 @@ REFUSED = [
     ("POST", "/artifacts/", {"key": "no-run"}, "not this job's own"),
     ("GET", "/deployments/44d43d78-2225-4b4b-9f71-4dcc207e279a", None, "not this job's own"),
 ]
+
+
+def test_the_servers_default_result_storage_is_never_the_jobs():
+    # A job keeps its result with its outputs; a block the server names would be read through calls it may not
+    # make (its credentials), so its engine is told there is none, by the gateway itself.
+    assert LOCAL_ANSWERS[("GET", "/admin/storage")] == {"default_result_storage_block_id": None}
+    assert route_for("GET", "/admin/storage") is None, "never passed on to the server"
 
 
 @pytest.mark.parametrize(("method", "route", "body", "why"), REFUSED)
