@@ -182,7 +182,7 @@ def write_json(path: Path, data: Any, mode: int = 0o644) -> None:
     """Replace ``path`` with ``data`` as JSON, atomically and durably."""
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with open(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode), "w") as handle:
-        json.dump(data, handle)
+        handle.write(json.dumps(data))  # one string: json.dump writes it piece by piece
         handle.flush()
         os.fsync(handle.fileno())
     temporary.replace(path)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from uuid import UUID
 
 from prefect.client.schemas.objects import FlowRun
+from prefect.settings import Settings, get_current_settings
 from prefect.workers.base import BaseVariables
 from prefect_docker.worker import DockerWorkerJobConfiguration
 from pydantic import Field, PrivateAttr, create_model
@@ -106,6 +107,16 @@ E31Variables = create_model("E31Variables", __base__=_PoolSettings, __module__=_
 E31Variables.__doc__ = "The e31 work pool's form: the job's team, work, data, request and output, and the pool's."
 
 
+_SERIALIZED: list[tuple[Settings, dict[str, str]]] = []  # the last settings serialized, and their variables
+
+
+def settings_environment(settings: Settings) -> dict[str, str]:
+    """``settings`` as the variables Prefect gives each run (the set ones), serialized once per settings object."""
+    if not _SERIALIZED or _SERIALIZED[0][0] is not settings:
+        _SERIALIZED[:] = [(settings, settings.to_environment_variables(exclude_unset=True))]
+    return _SERIALIZED[0][1]
+
+
 class _Configuration(DockerWorkerJobConfiguration):
     """One flow run's job as the worker receives it: raw job variables, validated in :meth:`job`."""
 
@@ -132,6 +143,13 @@ class _Configuration(DockerWorkerJobConfiguration):
     def json_template(cls) -> dict[str, Any]:
         """Template only what the pool's form offers; the rest of a container is the worker's to set."""
         return {k: v for k, v in super().json_template().items() if k in E31Variables.model_fields}
+
+    @classmethod
+    def _base_environment(cls) -> dict[str, str]:
+        """Prefect's: the worker's settings as variables for every run. Serializing them costs the worker about
+        20 ms of CPU, the same for each run; it is done once per settings object (a worker's stay the same,
+        ``temporary_settings`` makes a new one)."""
+        return dict(settings_environment(get_current_settings()))
 
     def prepare_for_flow_run(
         self,

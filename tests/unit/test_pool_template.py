@@ -143,3 +143,20 @@ def test_a_process_job_warns_of_container_settings_it_leaves_unused():
                                            "mem_limit": "8g"})
     job, unused = admitted(run, [])
     assert job.work.image is None and [p.field for p in unused] == ["mem_limit"]
+
+
+def test_each_run_gets_the_workers_prefect_settings_serialized_once_per_settings_object():
+    from prefect.settings import PREFECT_API_URL, get_current_settings, temporary_settings
+
+    from e31_prefect.surface.worker_configuration import E31JobConfiguration, settings_environment
+
+    settings = get_current_settings()
+    first = settings_environment(settings)
+    assert settings_environment(settings) is first, "serialized again for the same settings"
+    assert first == settings.to_environment_variables(exclude_unset=True)
+    given = E31JobConfiguration._base_environment()
+    given["PREFECT_API_URL"] = "changed by one run"  # a run's copy: the next run's is untouched
+    assert E31JobConfiguration._base_environment() == first
+    with temporary_settings({PREFECT_API_URL: "http://elsewhere:4200/api"}):  # new settings, new variables
+        assert E31JobConfiguration._base_environment()["PREFECT_API_URL"] == "http://elsewhere:4200/api"
+    assert E31JobConfiguration._base_environment() == first
