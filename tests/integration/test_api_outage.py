@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
+from uuid import UUID
 
 import httpx
 import pytest
@@ -98,16 +99,21 @@ def run_cli(server: OwnServer, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([program, *args[1:]], env=server.env, capture_output=True, text=True, timeout=240)
 
 
-def test_an_api_outage_at_the_end_of_a_run_is_billed_to_nobody(own_server, tmp_path):
-    job = write_job(tmp_path / "job", """
-        name: outage
-        work: {flow: flow.py:work, parameters: {seconds: 6}}
-        request: {gpus: 1, max_duration: 10m}
-        output: {to: ./out/}
+def submit_work(server: OwnServer, folder: Path, name: str, seconds: float, pool: str) -> UUID:
+    """``e31 submit`` a job of ``seconds`` of work (then done.txt in its ./out/) to ``pool``; its run's id."""
+    job = write_job(folder, f"""
+        name: {name}
+        work: {{flow: flow.py:work, parameters: {{seconds: {seconds}}}}}
+        request: {{gpus: 1, max_duration: 10m}}
+        output: {{to: ./out/}}
         """, flow=FLOW)
-    submitted = run_cli(own_server, "e31", "submit", str(job), "--pool", "outage")
+    submitted = run_cli(server, "e31", "submit", str(job), "--pool", pool)
     assert submitted.returncode == 0, submitted.stderr
-    run_id = flow_run_id(submitted.stdout)
+    return flow_run_id(submitted.stdout)
+
+
+def test_an_api_outage_at_the_end_of_a_run_is_billed_to_nobody(own_server, tmp_path):
+    run_id = submit_work(own_server, tmp_path / "job", "outage", seconds=6, pool="outage")
     home = tmp_path / "host"
     # The engine cannot report while the API is down: it gives up after E31_REPORT_SECONDS (5 s by default) and
     # leaves, well within its report grace.
@@ -155,15 +161,7 @@ def test_a_worker_stopped_while_its_api_does_not_answer_exits_and_loses_no_run(o
     (Kubernetes' 30 s), leaving unsent the logs and events the API could not take, and says so (Prefect's
     client would wait out its requests' timeouts and retries first: minutes). The run stays with its
     supervisor; once the API answers again, the next worker closes it."""
-    job = write_job(tmp_path / "job", """
-        name: stopped-in-outage
-        work: {flow: flow.py:work, parameters: {seconds: 8}}
-        request: {gpus: 1, max_duration: 10m}
-        output: {to: ./out/}
-        """, flow=FLOW)
-    submitted = run_cli(own_server, "e31", "submit", str(job), "--pool", "stopped")
-    assert submitted.returncode == 0, submitted.stderr
-    run_id = flow_run_id(submitted.stdout)
+    run_id = submit_work(own_server, tmp_path / "job", "stopped-in-outage", seconds=8, pool="stopped")
     home = tmp_path / "host"
     env = {"PREFECT_API_URL": own_server.api_url, "PREFECT_HOME": str(own_server.home)}
     worker = Worker("stopped", home, "1xH100", **env)
